@@ -1,0 +1,386 @@
+"""Typed configuration of moe-launch.
+
+Plain dataclasses, no Hydra: `conf/store.py` registers them in Hydra's ConfigStore at the edge, and the entry
+points convert the composed config with `OmegaConf.to_object`, which runs every `__post_init__` below. Each check
+names the dotted key and the fix, so a bad override fails before anything is allocated or written.
+
+Field groups: `model` (architecture), `parallel` (dp × ep × pp, optimizer sharding), `train` (optimisation, schedule,
+checkpoints, faults), `data`, `cluster` (local or Slurm, N nodes + B buffers), `health` (preflight), `supervisor`
+(failure handling), `run` (name and output root).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moe_launch.errors import ConfigError
+
+
+def _require(cond: bool, key: str, problem: str, fix: str) -> None:
+    if not cond:
+        raise ConfigError(key, problem, fix)
+
+
+def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
+    _require(value in allowed, key, f"got {value!r}", f"use one of {', '.join(allowed)}")
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256  # F: hidden size of each SwiGLU expert
+    norm_topk_prob: bool = False  # OLMoE-1B-7B: False
+    aux_loss_coef: float = 1e-2  # Switch-style load balancing
+    z_loss_coef: float = 1e-3  # router z-loss
+    impl: str = "reference"  # reference | fast (kernels/)
+    dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
+    uniform_routing: bool = False  # forced uniform routing, for benchmarks only
+
+    def __post_init__(self) -> None:
+        _require(self.num_experts >= 1, "model.moe.num_experts", f"got {self.num_experts}", "use at least 1 expert")
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            "model.moe.top_k",
+            f"got {self.top_k} with {self.num_experts} experts",
+            "choose 1 <= top_k <= model.moe.num_experts",
+        )
+        _require(self.expert_hidden >= 1, "model.moe.expert_hidden", f"got {self.expert_hidden}", "use a positive size")
+        _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-2)")
+        _require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
+        _one_of(self.impl, ("reference", "fast"), "model.moe.impl")
+        _one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_moe"
+    kind: str = "moe"  # dense | moe
+    vocab_size: int = 4096
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    ffn_hidden: int = 512  # dense SwiGLU hidden size (kind=dense)
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    qk_norm: bool = True  # OLMoE normalises q and k (over the full projection) before RoPE
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # "hf:/path" (safetensors + config.json), "ckpt:/path/model-step-N", or None for random init
+    init_from: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, ("dense", "moe"), "model.kind")
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"):
+            value = getattr(self, key)
+            _require(value >= 1, f"model.{key}", f"got {value}", "use a positive integer")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.n_heads",
+            f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
+            "choose n_heads dividing model.d_model",
+        )
+        _require(
+            (self.d_model // self.n_heads) % 2 == 0,
+            "model.n_heads",
+            f"head dim {self.d_model // self.n_heads} is odd (rotary embeddings rotate pairs)",
+            "choose n_heads so that d_model / n_heads is even",
+        )
+        if self.init_from is not None:
+            _require(
+                self.init_from.startswith(("hf:", "ckpt:")),
+                "model.init_from",
+                f"got {self.init_from!r}",
+                "use hf:/path/to/hf_model_dir or ckpt:/path/to/checkpoints/model-step-N",
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 1
+    ep: int = 1
+    pp: int = 1
+    # none: plain replicated AdamW; zero1: state sharded over DP; epso: expert state over DP, the rest over DP×EP
+    optimizer_sharding: str = "none"
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    pp_virtual_stages: int = 1  # >1 only with interleaved
+    microbatches: int = 1  # PP micro-batches per step
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "ep", "pp", "pp_virtual_stages", "microbatches"):
+            value = getattr(self, key)
+            _require(value >= 1, f"parallel.{key}", f"got {value}", "use a positive integer")
+        _one_of(self.optimizer_sharding, ("none", "zero1", "epso"), "parallel.optimizer_sharding")
+        _one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.ep * self.pp
+
+
+@dataclass
+class FaultInjection:
+    """Test hook, off by default: make `rank` misbehave at `step` (kind: nan | inf_grad | hang | crash | sigkill)."""
+
+    kind: Optional[str] = None
+    rank: int = 0
+    step: int = 0
+    # only inject on this attempt of the run (0 = first launch); a resumed run must not re-inject the same fault
+    attempt: int = 0
+    # only inject when running on this host (None = any); lets tests target a node
+    host: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.kind is not None:
+            _one_of(self.kind, ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt"), "train.fault_injection.kind")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    global_batch_size: int = 8  # sequences per optimizer step, over all DP ranks
+    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | wsd | constant
+    wsd_decay_fraction: float = 0.2  # WSD: last fraction of steps decays linearly to min_lr
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables
+    clip_after_warmup_only: bool = False
+    seed: int = 1234
+    deterministic: bool = False
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    ckpt_interval: int = 20  # dual alternating full checkpoints every N steps (0 disables)
+    model_ckpt_interval: int = 0  # persistent model-only checkpoints every M steps (0 disables)
+    log_interval: int = 1
+    recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
+    compile: bool = False
+    tensorboard: bool = False
+    progress: bool = True
+    step_sleep_s: float = 0.0  # slows the demo/tests down so faults can be injected mid-run
+    fault_injection: FaultInjection = field(default_factory=FaultInjection)
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_interval"):
+            value = getattr(self, key)
+            _require(value >= 1, f"train.{key}", f"got {value}", "use a positive integer")
+        _require(self.lr > 0, "train.lr", f"got {self.lr}", "use a positive learning rate")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"got {self.min_lr} with lr={self.lr}", "use 0 <= min_lr <= lr")
+        _require(self.warmup_steps >= 0, "train.warmup_steps", f"got {self.warmup_steps}", "use a value >= 0")
+        _one_of(self.schedule, ("cosine", "wsd", "constant"), "train.schedule")
+        _require(0 < self.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", "out of (0, 1]", "use e.g. 0.2")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must lie in [0, 1)", "use 0.9 / 0.95")
+        _require(self.eps > 0, "train.eps", f"got {self.eps}", "use e.g. 1e-8")
+        _require(self.weight_decay >= 0, "train.weight_decay", "is negative", "use a value >= 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", "is negative", "use 0 to disable or a positive norm")
+        _one_of(self.dtype, ("auto", "fp32", "bf16"), "train.dtype")
+        _require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
+        _require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
+        for i, item in enumerate(self.recompute):
+            _one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
+        _require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")
+
+
+@dataclass
+class DataConfig:
+    # directory holding index.json + shard-*.npy (moe-data prepare), or a Megatron prefix (path.bin + path.idx);
+    # None: the built-in corpus, tokenized on first use into data.cache_dir
+    path: Optional[str] = None
+    format: str = "npy"  # npy | megatron
+    tokenizer: str = "builtin"  # builtin (byte-level BPE trained on the built-in corpus) | /path/to/tokenizer.json
+    cache_dir: str = "~/.cache/moe-launch/data"
+    shard_size: int = 4096  # instances per shard file
+    workers: int = 2  # tokenization processes (or Slurm array tasks with cluster=slurm)
+
+    def __post_init__(self) -> None:
+        _one_of(self.format, ("npy", "megatron"), "data.format")
+        _require(self.shard_size >= 1, "data.shard_size", f"got {self.shard_size}", "use a positive integer")
+        _require(self.workers >= 1, "data.workers", f"got {self.workers}", "use a positive integer")
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"  # local (process groups on this machine) | slurm
+    nodes: int = 1  # N: nodes the trainer runs on
+    buffers: int = 0  # B: spare nodes allocated with the job, swapped in on failure
+    tasks_per_node: int = 1  # trainer ranks per node (GPUs per node on a GPU cluster)
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    mem_per_node_mb: int = 0  # 0: let Slurm decide
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time_limit_min: int = 60
+    exclude: list[str] = field(default_factory=list)
+    name: str = "local"  # cluster name for health baselines and history
+    python: Optional[str] = None  # interpreter on the compute nodes (default: the one running moe-launch)
+    extra_sbatch: list[str] = field(default_factory=list)  # extra "--key=value" lines, each quoted when rendered
+    signal_before_end_s: int = 60  # --signal=USR2@N: checkpoint and exit before the time limit
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, ("local", "slurm"), "cluster.kind")
+        _require(self.nodes >= 1, "cluster.nodes", f"got {self.nodes}", "use at least 1 node")
+        _require(self.buffers >= 0, "cluster.buffers", f"got {self.buffers}", "use 0 or more buffer nodes")
+        _require(self.tasks_per_node >= 1, "cluster.tasks_per_node", f"got {self.tasks_per_node}", "use at least 1")
+        _require(self.time_limit_min >= 1, "cluster.time_limit_min", f"got {self.time_limit_min}", "use minutes >= 1")
+        for i, arg in enumerate(self.extra_sbatch):
+            _require(arg.startswith("--"), f"cluster.extra_sbatch[{i}]", f"got {arg!r}", "write options as --key=value")
+
+
+@dataclass
+class DcgmConfig:
+    enabled: bool = True
+    required: bool = False  # dcgmi absent: block the node (True) or accept it as `unavailable` (False)
+    level: int = 1
+    timeout_s: int = 600
+
+    def __post_init__(self) -> None:
+        _require(self.level in (1, 2, 3, 4), "health.dcgm.level", f"got {self.level}", "use 1, 2, 3 or 4")
+
+
+@dataclass
+class AllToAllConfig:
+    enabled: bool = True
+    threshold: float = 0.9  # fraction of the stored baseline bandwidth that passes
+    min_bytes: int = 1024
+    max_bytes: int = 0  # 0: 8 GiB on GPU, 1 MiB on CPU
+    iters: int = 5
+    baseline_path: str = "~/.config/moe-launch/a2a_baselines.json"
+    isolate: bool = True  # on failure, find the bad node(s) by leave-one-out / pairwise tests
+    timeout_s: int = 300
+
+    def __post_init__(self) -> None:
+        _require(0 < self.threshold <= 1, "health.alltoall.threshold", f"got {self.threshold}", "use e.g. 0.9")
+        _require(self.iters >= 1, "health.alltoall.iters", f"got {self.iters}", "use at least 1")
+
+
+@dataclass
+class HealthConfig:
+    preflight: bool = True
+    dcgm: DcgmConfig = field(default_factory=DcgmConfig)
+    gpu_check: bool = True
+    alltoall: AllToAllConfig = field(default_factory=AllToAllConfig)
+    store_dir: str = "~/.local/share/moe-launch/health"  # per-cluster history (JSON lines) and quarantine list
+    quarantine_failures: int = 3  # k failures of a node within the window -> quarantined
+    quarantine_window_h: float = 24.0
+    sniff_interval: int = 0  # steps between in-training all-to-all sniff tests (0 disables)
+    # test hook: host -> seconds of delay added to that host's all-to-all (simulates a slow link)
+    inject_delay: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _require(self.quarantine_failures >= 1, "health.quarantine_failures", "must be >= 1", "use e.g. 3")
+        _require(self.sniff_interval >= 0, "health.sniff_interval", "is negative", "use 0 to disable")
+
+
+@dataclass
+class SupervisorConfig:
+    hang_timeout_s: float = 120.0
+    max_restarts: int = 5
+    max_resubmits: int = 2  # login side: new allocations after the allocation itself ended
+    poll_s: float = 0.5
+    launch_timeout_s: float = 300.0  # time allowed for the first heartbeat after a (re)launch
+
+    def __post_init__(self) -> None:
+        _require(self.hang_timeout_s > 0, "supervisor.hang_timeout_s", "must be positive", "use seconds, e.g. 120")
+        _require(self.max_restarts >= 0, "supervisor.max_restarts", "is negative", "use 0 or more")
+        _require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
+        _require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # the Hydra app defaults this to a timestamp
+    root: str = "runs"
+
+    def __post_init__(self) -> None:
+        bad = set(self.name) & set("/\\\0") or self.name in ("", ".", "..")
+        _require(not bad, "run.name", f"{self.name!r} is not a valid directory name", "use letters, digits, - and _")
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        validate_cross(self)
+
+
+def validate_cross(cfg: RootConfig) -> None:
+    """Checks that involve more than one group. Pure; raises ConfigError."""
+    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
+    if m.kind == "moe":
+        _require(
+            m.moe.num_experts % p.ep == 0,
+            "parallel.ep",
+            f"{m.moe.num_experts} experts cannot be split over ep={p.ep}",
+            f"choose ep dividing model.moe.num_experts ({m.moe.num_experts})",
+        )
+    else:
+        _require(p.ep == 1, "parallel.ep", f"got {p.ep} for a dense model", "use parallel.ep=1 with model.kind=dense")
+    _require(
+        m.n_layers % p.pp == 0 or p.pp <= m.n_layers,
+        "parallel.pp",
+        f"pp={p.pp} exceeds n_layers={m.n_layers}",
+        "use pp <= model.n_layers",
+    )
+    world = c.nodes * c.tasks_per_node
+    _require(
+        p.world_size == world,
+        "parallel.dp",
+        f"dp*ep*pp = {p.dp}*{p.ep}*{p.pp} = {p.world_size} but the cluster gives "
+        f"cluster.nodes*cluster.tasks_per_node = {c.nodes}*{c.tasks_per_node} = {world} ranks",
+        "make parallel.dp * parallel.ep * parallel.pp equal cluster.nodes * cluster.tasks_per_node",
+    )
+    per_step = p.dp * t.micro_batch_size
+    _require(
+        t.global_batch_size % per_step == 0,
+        "train.global_batch_size",
+        f"{t.global_batch_size} is not a multiple of parallel.dp*train.micro_batch_size = {per_step}",
+        f"use a multiple of {per_step}",
+    )
+    _require(
+        t.seq_len <= m.max_seq_len,
+        "train.seq_len",
+        f"{t.seq_len} is above the model's max_seq_len={m.max_seq_len}",
+        "lower train.seq_len or raise model.max_seq_len",
+    )
+    fi = t.fault_injection
+    if fi.kind is not None:
+        _require(0 <= fi.rank < p.world_size, "train.fault_injection.rank", f"rank {fi.rank} does not exist", f"use 0..{p.world_size - 1}")
+    if c.kind == "slurm":
+        interval_min = 0.0
+        _require(
+            c.time_limit_min > interval_min,
+            "cluster.time_limit_min",
+            "too short for one checkpoint interval",
+            "raise the time limit",
+        )
+    if p.pp > 1:
+        _require(
+            p.microbatches >= p.pp or p.pp_schedule == "gpipe",
+            "parallel.microbatches",
+            f"{p.microbatches} micro-batches cannot fill {p.pp} pipeline stages",
+            f"use parallel.microbatches >= {p.pp}",
+        )
+    if p.pp_virtual_stages > 1:
+        _require(p.pp_schedule == "interleaved", "parallel.pp_virtual_stages", "needs the interleaved schedule",
+                 "set parallel.pp_schedule=interleaved or pp_virtual_stages=1")

@@ -1,0 +1,123 @@
+"""The run-directory contract shared by the orchestrator, the trainer and the health checks.
+
+runs/<name>/
+  config.yaml        resolved config (written by the login side, read by every rank)
+  journal.jsonl      one JSON event per line: time, kind, nodes, details (supervisor, login side, trainer rank 0)
+  metrics.jsonl      one line per logged step (trainer rank 0)
+  heartbeat/         rank<r>.json per rank: step, time, host, pid (hang detection)
+  faults/            <host>-rank<r>-step<s>.json fault records (NaN/Inf, ...)
+  checkpoints/       ckpt-a, ckpt-b (dual alternating), model-step-N (persistent, model only)
+  health/            preflight results and raw outputs
+  logs/              per-attempt trainer logs
+  summary.json       written at the end: status, steps_done, final_loss, restarts, swapped_nodes, excluded_nodes, wall_s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+# Trainer exit codes: the supervisor's contract (documented in the README).
+EXIT_OK = 0
+EXIT_CONFIG = 2  # bad config or data: relaunching cannot help
+EXIT_SOFT_FAULT = 3  # NaN/Inf on this rank; a fault record names host, rank, step
+EXIT_PREEMPTED = 4  # SIGUSR2/SIGTERM received: a checkpoint was written, resubmit to continue
+EXIT_CHECKPOINT = 5  # no usable checkpoint / checkpoint mismatch
+
+JOURNAL_KINDS = (
+    "start", "allocation", "preflight", "launch", "failure", "exclude", "swap", "resume", "straggler",
+    "checkpoint", "fault", "stop", "done", "resubmit", "attach", "info",
+)
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "journal.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.root / "heartbeat"
+
+    @property
+    def faults(self) -> Path:
+        return self.root / "faults"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def health(self) -> Path:
+        return self.root / "health"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    def make(self) -> "RunDir":
+        for d in (self.heartbeat, self.faults, self.checkpoints, self.health, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line. A single O_APPEND write keeps lines whole when several processes append."""
+    line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def journal_event(run_dir: Path | RunDir, kind: str, nodes: Iterable[str] = (), **details: Any) -> dict[str, Any]:
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    if kind not in JOURNAL_KINDS:
+        raise ValueError(f"unknown journal kind {kind!r}; known: {JOURNAL_KINDS}")
+    event = {"time": time.time(), "kind": kind, "nodes": list(nodes), "details": details}
+    append_jsonl(rd.journal, event)
+    return event
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Read a JSON-lines file, ignoring a torn last line (a writer killed mid-write)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
