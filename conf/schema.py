@@ -350,11 +350,12 @@ def validate_cross(cfg: RootConfig) -> None:
         f"cluster.nodes*cluster.tasks_per_node = {c.nodes}*{c.tasks_per_node} = {world} ranks",
         "make parallel.dp * parallel.ep * parallel.pp equal cluster.nodes * cluster.tasks_per_node",
     )
-    per_step = p.dp * t.micro_batch_size
+    # EP ranks read different tokens (they are data-parallel for everything but the experts)
+    per_step = p.dp * p.ep * t.micro_batch_size
     _require(
         t.global_batch_size % per_step == 0,
         "train.global_batch_size",
-        f"{t.global_batch_size} is not a multiple of parallel.dp*train.micro_batch_size = {per_step}",
+        f"{t.global_batch_size} is not a multiple of parallel.dp*parallel.ep*train.micro_batch_size = {per_step}",
         f"use a multiple of {per_step}",
     )
     _require(

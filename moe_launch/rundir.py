@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,11 @@ class RunDir:
         for d in (self.heartbeat, self.faults, self.checkpoints, self.health, self.logs):
             d.mkdir(parents=True, exist_ok=True)
         return self
+
+
+def node_name() -> str:
+    """This process's node. cluster=local runs several "nodes" on one host and names them via MOE_LAUNCH_NODE."""
+    return os.environ.get("MOE_LAUNCH_NODE") or socket.gethostname()
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
