@@ -202,6 +202,7 @@ class DataConfig:
     cache_dir: str = "~/.cache/moe-launch/data"
     shard_size: int = 4096  # instances per shard file
     workers: int = 2  # tokenization processes (or Slurm array tasks with cluster=slurm)
+    seed: int = 0  # prepare-time shuffle of the built-in dataset (epoch orders come from train.seed)
 
     def __post_init__(self) -> None:
         _one_of(self.format, ("npy", "megatron"), "data.format")
@@ -270,6 +271,7 @@ class HealthConfig:
     preflight: bool = True
     dcgm: DcgmConfig = field(default_factory=DcgmConfig)
     gpu_check: bool = True
+    gpu_check_threshold: float = 0.9  # GPU only: GEMM TFLOP/s below this fraction of the model's baseline fails
     alltoall: AllToAllConfig = field(default_factory=AllToAllConfig)
     store_dir: str = "~/.local/share/moe-launch/health"  # per-cluster history (JSON lines) and quarantine list
     quarantine_failures: int = 3  # k failures of a node within the window -> quarantined
@@ -281,6 +283,8 @@ class HealthConfig:
     def __post_init__(self) -> None:
         _require(self.quarantine_failures >= 1, "health.quarantine_failures", "must be >= 1", "use e.g. 3")
         _require(self.sniff_interval >= 0, "health.sniff_interval", "is negative", "use 0 to disable")
+        _require(0 < self.gpu_check_threshold <= 1, "health.gpu_check_threshold", f"got {self.gpu_check_threshold}",
+                 "use e.g. 0.9")
 
 
 @dataclass
@@ -290,12 +294,18 @@ class SupervisorConfig:
     max_resubmits: int = 2  # login side: new allocations after the allocation itself ended
     poll_s: float = 0.5
     launch_timeout_s: float = 300.0  # time allowed for the first heartbeat after a (re)launch
+    # after a task of the trainer step exits badly, nodes whose tasks have not reported within this many seconds are
+    # taken as dead (their slurmstepd is gone): no waiting for Slurm's node timeout
+    exit_grace_s: float = 3.0
+    # argv that replaces `python -m moe_launch.trainer` (empty: the embedded trainer); tests point it at stand-ins
+    trainer_command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.hang_timeout_s > 0, "supervisor.hang_timeout_s", "must be positive", "use seconds, e.g. 120")
         _require(self.max_restarts >= 0, "supervisor.max_restarts", "is negative", "use 0 or more")
         _require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
         _require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
+        _require(self.exit_grace_s > 0, "supervisor.exit_grace_s", "must be positive", "use seconds, e.g. 3")
 
 
 @dataclass

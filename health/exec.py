@@ -1,0 +1,189 @@
+"""Running health tasks on nodes: the only module that starts processes.
+
+cluster.kind == "slurm": `srun` with --nodelist (a step of the current allocation when SLURM_JOB_ID is set, else a
+  short allocation of its own; `--immediate` so a down or busy node fails fast instead of pending forever).
+cluster.kind == "local": nodes are names (local1..localN); each node's tasks are subprocesses of this machine with
+  MOE_LAUNCH_NODE=<name>, so `rundir.node_name()` reports the node, as it would on a cluster.
+
+Argument lists are built by pure functions (`srun_argv`, `rank_env`) and unit-tested; `run_per_node` and
+`run_ranks` are the thin side-effecting wrappers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from moe_launch.conf.schema import ClusterConfig
+
+
+@dataclass
+class TaskOutcome:
+    name: str  # node, or "+".join(nodes) for a multi-node run
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def tail(self, n: int = 400) -> str:
+        return (self.stderr.strip() or self.stdout.strip())[-n:]
+
+
+def python_exe(cluster: ClusterConfig) -> str:
+    return cluster.python or sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def in_allocation() -> bool:
+    return bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def srun_argv(cluster: ClusterConfig, nodes: list[str], tasks_per_node: int, timeout_s: float,
+              inside_allocation: bool) -> list[str]:
+    """Pure: the srun prefix that runs `tasks_per_node` tasks on each of `nodes`."""
+    argv = [
+        "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
+        f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}", f"--cpus-per-task={cluster.cpus_per_task}",
+        "--kill-on-bad-exit=1", "--job-name=moe-health", "--export=ALL",
+    ]
+    if inside_allocation:
+        argv.append("--overlap")  # health steps never queue behind a running step of the same allocation
+    else:
+        minutes = max(1, int(timeout_s // 60) + 1)
+        argv += ["--immediate=30", f"--time={minutes}"]
+        for key in ("partition", "account", "qos"):
+            value = getattr(cluster, key)
+            if value:
+                argv.append(f"--{key}={value}")
+    if cluster.gpus_per_node:
+        argv.append(f"--gpus-per-node={cluster.gpus_per_node}")
+    return argv
+
+
+def rank_env(node: str, rank: int, local_rank: int, world: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """Pure: the environment of one local-kind rank."""
+    return {
+        "MOE_LAUNCH_NODE": node, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
+        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1",
+    }
+
+
+class _Task:
+    """A started process whose output goes to temporary files (pipes could fill up while we poll)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.out, self.err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=self.out, stderr=self.err, text=True,
+                                     start_new_session=True)  # own process group: a timeout ends this task tree
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> Optional[int]:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def outcome(self, name: str, timed_out: bool) -> TaskOutcome:
+        texts = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        rc = self.proc.returncode if self.proc.returncode is not None else -9
+        return TaskOutcome(name, rc, texts[0], texts[1], timed_out)
+
+
+def _start(argv: list[str], env: dict[str, str]) -> _Task:
+    return _Task(argv, env)
+
+
+def _stop(task: _Task) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(task.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        if task.wait(5.0) is not None:
+            return
+
+
+def _collect(tasks: dict[str, _Task], timeout_s: float) -> dict[str, TaskOutcome]:
+    deadline = time.monotonic() + timeout_s
+    out: dict[str, TaskOutcome] = {}
+    for name, task in tasks.items():
+        timed_out = task.wait(max(deadline - time.monotonic(), 0.1)) is None
+        if timed_out:
+            _stop(task)
+        out[name] = task.outcome(name, timed_out)
+    return out
+
+
+def run_per_node(nodes: list[str], argv: list[str], cluster: ClusterConfig, timeout_s: float,
+                 env: Optional[dict[str, str]] = None) -> dict[str, TaskOutcome]:
+    """One task per node, all nodes in parallel, each in its own srun (a dead node fails only its own task)."""
+    env = dict(env or {})
+    procs: dict[str, _Task] = {}
+    for node in nodes:
+        if cluster.kind == "slurm":
+            prefix = srun_argv(cluster, [node], 1, timeout_s, in_allocation())
+            procs[node] = _start(prefix + argv, env)
+        else:
+            procs[node] = _start(argv, {**env, "MOE_LAUNCH_NODE": node, "OMP_NUM_THREADS": "1"})
+    return _collect(procs, timeout_s)
+
+
+def run_ranks(nodes: list[str], tasks_per_node: int, argv: list[str], cluster: ClusterConfig, timeout_s: float,
+              env: Optional[dict[str, str]] = None) -> TaskOutcome:
+    """`tasks_per_node` ranks on each node, one torch.distributed world (rank order: node by node)."""
+    env = dict(env or {})
+    name = "+".join(nodes)
+    port = free_port()
+    if cluster.kind == "slurm":
+        prefix = srun_argv(cluster, nodes, tasks_per_node, timeout_s, in_allocation())
+        env.update(MASTER_ADDR=nodes[0], MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        return _collect({name: _start(prefix + argv, env)}, timeout_s)[name]
+    world = len(nodes) * tasks_per_node
+    procs: dict[str, _Task] = {}
+    for i, node in enumerate(nodes):
+        for local in range(tasks_per_node):
+            rank = i * tasks_per_node + local
+            procs[f"{node}/{rank}"] = _start(argv, {**env, **rank_env(node, rank, local, world, "127.0.0.1", port)})
+    outcomes = _collect_gang(procs, timeout_s)
+    failed = [o for o in outcomes.values() if not o.ok]
+    worst = failed[0] if failed else next(iter(outcomes.values()))
+    return TaskOutcome(name, worst.returncode, "".join(o.stdout for o in outcomes.values()),
+                       "".join(o.stderr for o in outcomes.values()), any(o.timed_out for o in outcomes.values()))
+
+
+def _collect_gang(tasks: dict[str, _Task], timeout_s: float) -> dict[str, TaskOutcome]:
+    """Like srun --kill-on-bad-exit: when one rank fails, the others (waiting on it in a collective) are stopped."""
+    deadline = time.monotonic() + timeout_s
+    timed_out = False
+    while any(t.poll() is None for t in tasks.values()):
+        bad_exit = any(t.poll() not in (None, 0) for t in tasks.values())
+        timed_out = time.monotonic() > deadline
+        if bad_exit or timed_out:
+            for t in tasks.values():
+                if t.poll() is None:
+                    _stop(t)
+            break
+        time.sleep(0.05)
+    return {name: t.outcome(name, timed_out and t.proc.returncode != 0) for name, t in tasks.items()}

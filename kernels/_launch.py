@@ -1,0 +1,26 @@
+"""One place that launches our Triton kernels, and says clearly why a CPU launch cannot work when it cannot.
+
+Triton chooses compiled or interpreted at decoration time (see kernels/__init__.py), so a kernel is either a
+JITFunction (GPU only) or an InterpretedFunction (runs anywhere; tensors are copied through host numpy arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from triton.runtime.jit import JITFunction
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
+    if isinstance(kernel, JITFunction) and any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        raise RuntimeError(
+            f"Triton kernel {kernel.fn.__name__} got CPU tensors but triton was imported in compiled mode. "
+            "Set TRITON_INTERPRET=1 before anything imports triton (or import moe_launch.kernels first), "
+            "or use model.moe.impl=reference on machines without a GPU."
+        )
+    kernel[grid](*args, **meta)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,59 @@
+"""Stage 3 of FastSparseMoE: gather tokens into the expert-sorted buffer (Optimus Algorithm 1, line 75).
+
+Shapes: T tokens, D model dim, N row capacity (= T*K), R = plan.num_rows valid rows (device scalar).
+x_ND[r] = x_TD[row_token_N[r]] for r < R; rows r >= R are left unwritten (their content is unspecified, and every
+consumer in this package ignores them). The backward of a gather is a per-token sum over its rows: reduce.combine
+with no weights, which needs no atomics and is deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_launch.kernels._launch import launch, next_pow2
+
+
+@triton.jit
+def _gather_kernel(
+    x_ptr, row_token_ptr, out_ptr, num_rows_ptr,  # x [T, D]; row_token int32 [N]; out [N, D]; R int32 []
+    D, stride_x, stride_out,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    R = tl.load(num_rows_ptr)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    tok = tl.load(row_token_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (cols < D)[None, :]
+    v = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], v, mask=mask)
+
+
+def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    assert x_TD.stride(1) == 1
+    N, D = row_token_N.numel(), x_TD.shape[1]
+    out_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
+    if N == 0:
+        return out_ND
+    BLOCK_D = min(next_pow2(D), 512)
+    BLOCK_R = max(1, 4096 // BLOCK_D) if x_TD.is_cuda else max(1, 65536 // BLOCK_D)
+    grid = (triton.cdiv(N, BLOCK_R), triton.cdiv(D, BLOCK_D))
+    launch(_gather_kernel, grid, x_TD, row_token_N, out_ND, num_rows, D, x_TD.stride(0), out_ND.stride(0),
+           BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4)
+    return out_ND
+
+
+def gather_rows_reference(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    """Same contract; rows >= R are zero here (any value is allowed there)."""
+    valid = row_token_N >= 0
+    return torch.where(valid[:, None], x_TD[row_token_N.clamp(min=0).long()], 0).to(x_TD.dtype)
+
+
+def gather_rows(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor,
+                impl: str = "triton") -> torch.Tensor:
+    fn = gather_rows_triton if impl == "triton" else gather_rows_reference
+    return fn(x_TD, row_token_N, num_rows)

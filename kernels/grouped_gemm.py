@@ -1,0 +1,185 @@
+"""Stage 4 of FastSparseMoE: grouped GEMM over all local experts, one launch per matmul (Algorithm 1, lines 74-79).
+
+Shapes: N row capacity (rows of expert e are offsets_E1[e] .. offsets_E1[e+1]-1; rows >= R = offsets_E1[E] are
+ignored on input and left unwritten on output), E local experts, K contraction dim, M/Nc output dims.
+
+  grouped_mm(a_NK, b_EKM)        c_NM[r] = a_NK[r] @ b_EKM[e(r)]           (forward, and activation gradients)
+  grouped_mm_wgrad(a_NM, b_NK)   c_EMK[e] = a_NM[rows e]^T @ b_NK[rows e]  (weight gradients; 0 for empty experts)
+
+b_EKM may be any strided view (callers pass w_EFD.transpose(1, 2) for x @ w^T). Paths, chosen per call:
+  "torch"     torch.nn.functional.grouped_mm / torch._grouped_mm: CUDA sm90+, bf16 (CUTLASS grouped GEMM)
+  "triton"    our Triton kernels: any other GPU/dtype, and the CPU under the Triton interpreter
+  "reference" a Python loop over experts (host sync; tests only)
+No host sync on the torch/triton paths: the Triton row kernel launches cdiv(N, BM) + E row tiles (an upper bound)
+and each program finds its expert from per-expert tile counts kept on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_launch.kernels._launch import launch, next_pow2
+
+
+@triton.jit
+def _gmm_kernel(
+    a_ptr, b_ptr, c_ptr,  # a [N, K]; b [E, K, M] (any strides); c [N, M]
+    offsets_ptr, tile_ends_ptr,  # int32 [E+1] row offsets; int32 [E] cumulative BM-row tiles per expert
+    E, M, K,
+    s_an, s_ak, s_be, s_bk, s_bm, s_cn, s_cm,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    experts = tl.arange(0, E_PAD)
+    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2147483647)
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)  # expert owning this row tile (E: past the last tile)
+    live = e < E
+    e = tl.minimum(e, E - 1)
+    first_tile = tl.max(tl.where(tile_ends <= pid_m, tile_ends, 0), axis=0)
+    row_end = tl.where(live, tl.load(offsets_ptr + e + 1), 0)  # dead programs: no valid rows
+    rows = tl.load(offsets_ptr + e) + (pid_m - first_tile) * BM + tl.arange(0, BM)
+    row_ok = rows < row_end
+    cols = pid_n * BN + tl.arange(0, BN)
+    col_ok = cols < M
+    a_base = a_ptr + rows.to(tl.int64)[:, None] * s_an
+    b_base = b_ptr + e.to(tl.int64) * s_be + cols[None, :] * s_bm
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_end = tl.where(live, K, 0)  # dead programs skip the loop
+    for k0 in range(0, k_end, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < K
+        a = tl.load(a_base + ks[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_base + ks[:, None] * s_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cn + cols[None, :] * s_cm, acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _gmm_wgrad_kernel(
+    a_ptr, b_ptr, c_ptr,  # a [N, M]; b [N, K]; c [E, M, K]
+    offsets_ptr,
+    M, K,
+    s_an, s_am, s_bn, s_bk, s_ce, s_cm, s_ck,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
+):
+    e = tl.program_id(0)
+    ms = tl.program_id(1) * BM + tl.arange(0, BM)
+    ks = tl.program_id(2) * BN + tl.arange(0, BN)
+    m_ok = ms < M
+    k_ok = ks < K
+    start = tl.load(offsets_ptr + e)
+    end = tl.load(offsets_ptr + e + 1)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for r0 in range(start, end, BR):
+        rs = (r0 + tl.arange(0, BR)).to(tl.int64)
+        r_ok = rs < end
+        a = tl.load(a_ptr + rs[None, :] * s_an + ms[:, None] * s_am, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rs[:, None] * s_bn + ks[None, :] * s_bk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + e.to(tl.int64) * s_ce + ms[:, None] * s_cm + ks[None, :] * s_ck, acc.to(c_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & k_ok[None, :])
+
+
+def _tile(n: int, cap: int) -> int:
+    return max(16, min(cap, next_pow2(n)))  # tl.dot needs every dim >= 16
+
+
+def grouped_mm_triton(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E, offsets_E1) -> torch.Tensor:
+    N, K = a_NK.shape
+    E, _, M = b_EKM.shape
+    c_NM = torch.empty(N, M, dtype=a_NK.dtype, device=a_NK.device)
+    if N == 0 or E == 0:
+        return c_NM
+    cuda = a_NK.is_cuda
+    BM, BN, BK = (64, _tile(M, 128), _tile(K, 64)) if cuda else (_tile(N, 256), _tile(M, 256), _tile(K, 256))
+    tile_ends_E = torch.cumsum((counts_E + (BM - 1)) // BM, 0, dtype=torch.int32)
+    grid = (triton.cdiv(N, BM) + E, triton.cdiv(M, BN))
+    launch(_gmm_kernel, grid, a_NK, b_EKM, c_NM, offsets_E1, tile_ends_E, E, M, K,
+           a_NK.stride(0), a_NK.stride(1), *b_EKM.stride(), c_NM.stride(0), c_NM.stride(1),
+           BM=BM, BN=BN, BK=BK, E_PAD=next_pow2(E), IEEE=a_NK.dtype == torch.float32)
+    return c_NM
+
+
+def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    M, K = a_NM.shape[1], b_NK.shape[1]
+    E = offsets_E1.numel() - 1
+    c_EMK = torch.empty(E, M, K, dtype=a_NM.dtype, device=a_NM.device)
+    if E == 0:
+        return c_EMK
+    cuda = a_NM.is_cuda
+    BM, BN, BR = (_tile(M, 64), _tile(K, 64), 64) if cuda else (_tile(M, 256), _tile(K, 256), 256)
+    grid = (E, triton.cdiv(M, BM), triton.cdiv(K, BN))
+    launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
+           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=BM, BN=BN, BR=BR, IEEE=a_NM.dtype == torch.float32)
+    return c_EMK
+
+
+def _torch_grouped_mm():
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def torch_path_ok(*tensors: torch.Tensor) -> bool:
+    """CUTLASS grouped GEMM: sm90+, bf16, 16-byte aligned strides."""
+    t0 = tensors[0]
+    if _torch_grouped_mm() is None or not t0.is_cuda or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all(t.dtype == torch.bfloat16 for t in tensors)
+
+
+def grouped_mm_torch(a_NK, b_EKM, ends_E):
+    return _torch_grouped_mm()(a_NK, b_EKM, offs=ends_E)
+
+
+def grouped_mm_wgrad_torch(a_NM, b_NK, ends_E):
+    return _torch_grouped_mm()(a_NM.t(), b_NK, offs=ends_E)
+
+
+def grouped_mm_reference(a_NK, b_EKM, counts_E, offsets_E1):
+    c_NM = torch.zeros(a_NK.shape[0], b_EKM.shape[2], dtype=a_NK.dtype, device=a_NK.device)
+    for e, (lo, hi) in enumerate(zip(offsets_E1[:-1].tolist(), offsets_E1[1:].tolist())):  # host sync
+        c_NM[lo:hi] = a_NK[lo:hi] @ b_EKM[e]
+    return c_NM
+
+
+def grouped_mm_wgrad_reference(a_NM, b_NK, offsets_E1):
+    E = offsets_E1.numel() - 1
+    c_EMK = torch.zeros(E, a_NM.shape[1], b_NK.shape[1], dtype=a_NM.dtype, device=a_NM.device)
+    for e, (lo, hi) in enumerate(zip(offsets_E1[:-1].tolist(), offsets_E1[1:].tolist())):
+        c_EMK[e] = a_NM[lo:hi].t() @ b_NK[lo:hi]
+    return c_EMK
+
+
+def pick(impl: str, *tensors: torch.Tensor) -> str:
+    if impl == "auto":
+        return "torch" if torch_path_ok(*tensors) else "triton"
+    return impl
+
+
+def grouped_mm(a_NK, b_EKM, plan, impl: str = "auto") -> torch.Tensor:
+    """c_NM[r] = a_NK[r] @ b_EKM[e(r)] for rows r < R of a RoutePlan (or anything with counts_E/ends_E/offsets_E1)."""
+    impl = pick(impl, a_NK, b_EKM)
+    if impl == "torch":
+        return grouped_mm_torch(a_NK, b_EKM, plan.ends_E)
+    if impl == "triton":
+        return grouped_mm_triton(a_NK, b_EKM, plan.counts_E, plan.offsets_E1)
+    return grouped_mm_reference(a_NK, b_EKM, plan.counts_E, plan.offsets_E1)
+
+
+def grouped_mm_wgrad(a_NM, b_NK, plan, impl: str = "auto") -> torch.Tensor:
+    """c_EMK[e] = a_NM[rows of e]^T @ b_NK[rows of e]; zeros for experts with no rows."""
+    impl = pick(impl, a_NM, b_NK)
+    if impl == "torch":
+        return grouped_mm_wgrad_torch(a_NM, b_NK, plan.ends_E)
+    if impl == "triton":
+        return grouped_mm_wgrad_triton(a_NM, b_NK, plan.offsets_E1)
+    return grouped_mm_wgrad_reference(a_NM, b_NK, plan.offsets_E1)

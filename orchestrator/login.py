@@ -1,0 +1,182 @@
+"""The login side after the plan: start the supervisor (an sbatch allocation, or a local process), follow the run,
+and resubmit when the allocation itself ended without a summary (supervisor node lost, time limit, preemption),
+excluding the nodes the journal names as bad, at most supervisor.max_resubmits times.
+
+Everything it needs is in the run directory, so `moe-launch attach` runs the same follow loop after the original
+login session died.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional
+
+from moe_launch.conf.schema import RootConfig
+from moe_launch.errors import SubmissionError
+from moe_launch.orchestrator.live import LiveView
+from moe_launch.orchestrator.plan import LaunchPlan, plan
+from moe_launch.orchestrator.render import render_sbatch
+from moe_launch.orchestrator.state import replay
+from moe_launch.orchestrator.summary import build_summary, write_summary
+from moe_launch.orchestrator.supervisor import STOP_FILE
+from moe_launch.rundir import RunDir, journal_event, read_jsonl
+
+_LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+_GONE_GRACE_S = 3.0  # the supervisor writes summary.json just before it exits; give the file a moment
+
+
+def partition_and_quarantine(cfg: RootConfig) -> tuple[Any, list[str]]:
+    """Ask Slurm about the partition and moe-health about quarantined nodes (cluster.kind=slurm only)."""
+    if cfg.cluster.kind != "slurm":
+        return None, []
+    from moe_launch.orchestrator import slurm
+
+    quarantined: list[str] = []
+    try:
+        from moe_launch.health import store
+
+        quarantined = sorted(store.quarantined_nodes(store.cluster_dir(cfg.health, cfg.cluster.name)))
+    except ImportError:
+        pass
+    return slurm.partition_info(cfg.cluster.partition), quarantined
+
+
+def make_plan(cfg: RootConfig, run_dir: Path, extra_exclude: tuple[str, ...] = ()) -> LaunchPlan:
+    if extra_exclude:
+        cfg = replace(cfg, cluster=replace(cfg.cluster, exclude=list(dict.fromkeys([*cfg.cluster.exclude,
+                                                                                      *extra_exclude]))))
+    part, quarantined = partition_and_quarantine(cfg)
+    return plan(cfg, part, quarantined, run_dir=str(run_dir))
+
+
+def start_allocation(p: LaunchPlan, rd: RunDir, number: int) -> str:
+    """Start the supervisor; returns the handle journaled for attach (a Slurm job id, or a local pid)."""
+    if p.kind == "slurm":
+        from moe_launch.orchestrator import slurm
+
+        script = rd.root / "sbatch" / f"allocation-{number}.sh"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(render_sbatch(p))
+        return slurm.submit(script)
+    log = open(rd.logs / f"supervisor-{number}.log", "ab")
+    proc = subprocess.Popen(list(p.supervisor_argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            cwd=rd.root, start_new_session=True)  # survives the login session
+    _CHILDREN[proc.pid] = proc
+    return str(proc.pid)
+
+
+_CHILDREN: dict[int, subprocess.Popen] = {}  # local supervisors started by this process (reaped when they exit)
+
+
+def handle_alive(kind: str, handle: str) -> bool:
+    if kind == "slurm":
+        from moe_launch.orchestrator import slurm
+
+        return slurm.job_state(handle) in _LIVE_STATES
+    pid = int(handle)
+    if pid in _CHILDREN:
+        return _CHILDREN[pid].poll() is None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z" and "moe_launch.orchestrator.supervisor" in Path(f"/proc/{pid}/cmdline").read_text()
+    except (OSError, IndexError):
+        return False
+
+
+def handles(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The allocations the login side started, oldest first (journal kinds start / resubmit)."""
+    return [r["details"] for r in records if r.get("kind") in ("start", "resubmit") and "handle" in r.get("details", {})]
+
+
+def submit(cfg: RootConfig, rd: RunDir, p: LaunchPlan) -> str:
+    handle = start_allocation(p, rd, 0)
+    journal_event(rd, "start", (), handle=handle, cluster=p.kind, nodes_wanted=p.nodes, buffers=p.buffers,
+                  exclude=list(p.exclude), warnings=list(p.warnings), login_pid=os.getpid())
+    return handle
+
+
+def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
+    """Follow until summary.json exists, resubmitting dead allocations. Exit code: 0 completed, 1 otherwise."""
+    view = None if quiet else LiveView(rd, cfg.cluster.nodes, cfg.supervisor.max_restarts, cfg.train.steps)
+    gone_since: Optional[float] = None
+    try:
+        while True:
+            if view is not None:
+                view.update()
+            if rd.summary.exists():
+                break
+            records = read_jsonl(rd.journal)
+            started = handles(records)
+            if not started:
+                raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
+            last = started[-1]
+            if handle_alive(last["cluster"], last["handle"]):
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists():
+                _allocation_ended(cfg, rd, records, len(started))
+                gone_since = None
+            time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
+    finally:
+        if view is not None:
+            view.update()
+            view.close()
+    summary = read_summary(rd)
+    print(f"run {summary.get('status')}: {summary.get('reason', '')}\n  outputs: {rd.root}", file=sys.stderr)
+    return 0 if summary.get("status") == "completed" else 1
+
+
+def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]], started: int) -> None:
+    state = replay(records, cfg.cluster.nodes, cfg.supervisor.max_restarts)
+    resubmits = started - 1
+    wall = time.time() - records[0]["time"]
+    if (rd.root / STOP_FILE).exists():
+        reason = "stopped by the user before the allocation ran"
+        return _final(rd, state, wall, "stopped", reason, resubmits)
+    if resubmits >= cfg.supervisor.max_resubmits:
+        reason = (f"the allocation ended without finishing the run {started} time(s); supervisor.max_resubmits="
+                  f"{cfg.supervisor.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising "
+                  f"it, or start a new run resuming from them")
+        return _final(rd, state, wall, "failed", reason, resubmits)
+    excluded = tuple(state.excluded) if state else ()
+    p = make_plan(cfg, rd.root, excluded)
+    handle = start_allocation(p, rd, started)
+    journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
+                  reason="the allocation ended without a summary (supervisor node lost, time limit or preemption)")
+
+
+def _final(rd: RunDir, state, wall: float, status: str, reason: str, resubmits: int) -> None:
+    from moe_launch.orchestrator.state import SupervisorState
+
+    st = state or SupervisorState(want=0, max_restarts=0)
+    journal_event(rd, "stop", (), reason=reason, status=status)
+    write_summary(rd, build_summary(rd, st, wall, status=status, reason=reason, resubmits=resubmits))
+
+
+def read_summary(rd: RunDir) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(rd.summary.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def request_stop(cfg: RootConfig, rd: RunDir) -> str:
+    """Ask the supervisor to checkpoint and stop; a Slurm job that has not started is cancelled."""
+    (rd.root / STOP_FILE).write_text(f"requested at {time.time()}\n")
+    started = handles(read_jsonl(rd.journal))
+    if started and started[-1]["cluster"] == "slurm":
+        from moe_launch.orchestrator import slurm
+
+        if slurm.job_state(started[-1]["handle"]) == "PENDING":
+            slurm.cancel(started[-1]["handle"])
+            return f"job {started[-1]['handle']} was pending and is cancelled"
+    return "stop requested: the supervisor checkpoints the trainer and stops"

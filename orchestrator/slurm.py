@@ -1,0 +1,295 @@
+"""Thin wrappers around the Slurm CLI: the login side (partition facts, sbatch, job state) and, inside the allocation,
+trainer steps (`srun`) and the allocation's current node list (`scontrol show job`, never $SLURM_JOB_NODELIST: a
+failed node leaves a --no-kill allocation while the variable still names it).
+
+Every call takes an argument list and a timeout. Parsers are pure and tested on captured output.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from moe_launch.conf.schema import ClusterConfig
+from moe_launch.orchestrator.backend import StepResult
+from moe_launch.orchestrator.plan import PartitionInfo
+
+from moe_launch.errors import SubmissionError
+
+_TIMEOUT_S = 30.0
+_BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "powered_down", "not_responding")
+_TASK_LINE = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: (.*)$")
+_NODE_FAILURE = re.compile(r"Node failure on (\S+)")
+_EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
+
+
+def _run(argv: list[str], timeout: float = _TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise SubmissionError(f"`{' '.join(argv)}` failed: {e}. Is Slurm installed and slurmctld up (`sinfo`)?") from e
+    if check and proc.returncode != 0:
+        raise SubmissionError(f"`{' '.join(argv)}` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-800:]}")
+    return proc
+
+
+def hostnames(nodelist: str) -> tuple[str, ...]:
+    """Expand a Slurm node list (node[1-3],gpu7) the way Slurm does."""
+    if not nodelist or nodelist == "(null)":
+        return ()
+    return tuple(_run(["scontrol", "show", "hostnames", nodelist]).stdout.split())
+
+
+# ---- pure parsers -------------------------------------------------------------------------------------------------
+
+def parse_time_limit(text: str) -> Optional[int]:
+    """sinfo %l ("infinite", "30:00", "1:00:00", "2-00:00:00") -> minutes, None for unlimited."""
+    text = text.strip()
+    if text in ("infinite", "UNLIMITED", "n/a", ""):
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)  # mm:ss -> 0:mm:ss
+    h, m, s = parts
+    return (int(days or 0) * 24 + h) * 60 + m + (1 if s else 0)
+
+
+def parse_job_field(text: str, key: str) -> Optional[str]:
+    """A `Key=value` field of `scontrol show job` output (NodeList, not ReqNodeList/ExcNodeList)."""
+    m = re.search(rf"(?<![A-Za-z]){key}=(\S+)", text)
+    return m.group(1) if m else None
+
+
+def is_bad_state(state: str) -> bool:
+    s = state.lower()
+    return s.endswith("*") or any(b in s for b in _BAD_STATES)
+
+
+def parse_srun_line(line: str) -> Optional[tuple[str, str, str]]:
+    """One srun stderr line -> ("node_failure", node, line) | ("exit", node, code) | ("signal", node, what) | None."""
+    line = line.strip()
+    m = _NODE_FAILURE.search(line)
+    if m and line.startswith("srun: error:"):
+        return ("node_failure", m.group(1), line)
+    m = _TASK_LINE.match(line)
+    if m:
+        node, what = m.groups()
+        code = _EXIT_CODE.search(what)
+        return ("exit", node, code.group(1)) if code else ("signal", node, what)
+    return None
+
+
+# ---- login side ---------------------------------------------------------------------------------------------------
+
+def partition_info(name: Optional[str]) -> Optional[PartitionInfo]:
+    """Facts about `name` (None: the default partition); None if it does not exist."""
+    rows = [ln.split("|") for ln in _run(["sinfo", "-h", "-a", "-o", "%P|%l"]).stdout.splitlines() if "|" in ln]
+    chosen = None
+    for part, limit in rows:
+        is_default = part.endswith("*")
+        if (name is None and is_default) or part.rstrip("*") == name:
+            chosen = (part.rstrip("*"), limit)
+            break
+    if chosen is None:
+        return None
+    out = _run(["sinfo", "-h", "-N", "-p", chosen[0], "-o", "%N %T"]).stdout
+    states: dict[str, str] = {}
+    for line in out.splitlines():
+        node, _, state = line.partition(" ")
+        states.setdefault(node, state.strip())
+    return PartitionInfo(name=chosen[0], nodes=tuple(states), max_time_min=parse_time_limit(chosen[1]),
+                         unavailable=tuple(n for n, s in states.items() if is_bad_state(s)))
+
+
+def submit(script: Path) -> str:
+    out = _run(["sbatch", "--parsable", str(script)]).stdout.strip()
+    job_id = out.split(";")[0]
+    if not job_id.isdigit():
+        raise SubmissionError(f"sbatch answered {out!r} instead of a job id")
+    return job_id
+
+
+def job_state(job_id: str) -> str:
+    """PENDING / RUNNING / COMPLETED / NODE_FAIL / ... ; '' if Slurm no longer knows the job."""
+    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+    state = parse_job_field(proc.stdout, "JobState") if proc.returncode == 0 else None
+    if state:
+        return state
+    proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], check=False)
+    words = proc.stdout.split()
+    return words[0] if proc.returncode == 0 and words else ""
+
+
+def cancel(job_id: str, signal_name: Optional[str] = None) -> None:
+    _run(["scancel", *( [f"--signal={signal_name}"] if signal_name else []), job_id], check=False)
+
+
+# ---- inside the allocation ------------------------------------------------------------------------------------------
+
+class SlurmStep:
+    """One `srun` trainer step. Reads srun's stderr as it comes: task exits and node failures are seen at once, and
+    nodes whose tasks never report after another task's bad exit count as dead after supervisor.exit_grace_s
+    (their slurmstepd died with the node; srun itself would wait for Slurm's node timeout)."""
+
+    def __init__(self, job_id: str, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
+                 cluster: ClusterConfig, log_dir: Path, grace_s: float):
+        self.job_id, self.nodes, self.attempt, self.grace_s = job_id, nodes, attempt, grace_s
+        self.name = f"moe-attempt-{attempt}"
+        srun = ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}",
+                f"--ntasks={len(nodes) * cluster.tasks_per_node}", f"--ntasks-per-node={cluster.tasks_per_node}",
+                f"--cpus-per-task={cluster.cpus_per_task}", "--kill-on-bad-exit=1",
+                # the step of a failed node can linger until Slurm's node timeout; do not wait for its CPUs
+                "--overlap", f"--job-name={self.name}", f"--jobid={job_id}"]
+        if cluster.gpus_per_node:
+            srun.append(f"--gpus-per-node={cluster.gpus_per_node}")
+        penv = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        penv.update(env)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(log_dir / "srun.log", "ab")
+        self.proc = subprocess.Popen(srun + list(argv), env=penv, stdout=self.log, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self._seen = 0
+        self.dead: list[str] = []
+        self.reported: dict[str, str] = {}
+        self.first_bad: Optional[tuple[str, str, str]] = None
+        self.first_bad_t: Optional[float] = None
+        self.killed = False
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self.log.write(raw)
+            self.log.flush()
+            self.lines.append(raw.decode(errors="replace").rstrip("\n"))
+
+    def _consume(self) -> None:
+        while self._seen < len(self.lines):
+            parsed = parse_srun_line(self.lines[self._seen])
+            self._seen += 1
+            if parsed is None:
+                continue
+            kind, node, what = parsed
+            if kind == "node_failure":
+                self.dead.append(node)
+                continue
+            self.reported.setdefault(node, what)
+            bad = kind == "signal" or what != "0"
+            if bad and self.first_bad is None:
+                self.first_bad, self.first_bad_t = parsed, time.monotonic()
+
+    def poll(self) -> Optional[StepResult]:
+        rc = self.proc.poll()
+        if rc is not None:
+            self._reader.join(timeout=2.0)
+        self._consume()
+        missing = tuple(n for n in self.nodes if n not in self.reported)
+        if rc is None:
+            if self.dead:
+                self.kill()
+                return self._result(None, ())
+            if self.first_bad_t is not None and time.monotonic() - self.first_bad_t > self.grace_s and missing:
+                self.kill()
+                return self._result(None, missing)
+            return None
+        return self._result(rc, ())
+
+    def _result(self, rc: Optional[int], silent: tuple[str, ...]) -> StepResult:
+        dead = list(dict.fromkeys(self.dead + list(silent)))
+        code = 0
+        detail = []
+        if self.first_bad:
+            kind, node, what = self.first_bad
+            code = int(what) if kind == "exit" else 137
+            detail.append(f"first bad exit: {node} ({'exit code ' + what if kind == 'exit' else what})")
+            if kind == "signal" and node not in dead:
+                dead.append(node)  # its tasks were killed from outside the program: treat the node as failed
+        elif rc:
+            code = rc
+            detail.append(f"srun exit {rc}: " + " | ".join(self.lines[-3:]))
+        if self.dead:
+            detail.append("srun: node failure on " + ", ".join(self.dead))
+        if silent:
+            detail.append(f"no exit reported from {', '.join(silent)} within {self.grace_s:.0f} s of the first bad exit")
+        if dead and not code:
+            code = 137
+        failed = tuple(n for n, w in self.reported.items() if w not in ("0",) and n not in dead)
+        return StepResult(code=code, dead_nodes=tuple(dead), failed_nodes=failed, detail="; ".join(detail))
+
+    def _step_id(self) -> Optional[str]:
+        out = _run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
+        for line in out.splitlines():
+            sid, _, name = line.partition(" ")
+            if name.strip() == self.name:
+                return sid
+        return None
+
+    def terminate(self, signal_name: str = "USR2") -> None:
+        sid = self._step_id()
+        if sid:
+            _run(["scancel", f"--signal={signal_name}", sid], check=False)
+
+    def kill(self) -> None:
+        if self.killed:
+            return
+        self.killed = True
+        sid = self._step_id()
+        if sid:  # kill the tasks on the live nodes; srun alone would wait for the dead one
+            _run(["scancel", "--signal=KILL", sid], check=False)
+            _run(["scancel", sid], check=False)
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout_s: float) -> bool:
+        try:
+            self.proc.wait(timeout=timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+
+class SlurmCluster:
+    kind = "slurm"
+
+    def __init__(self, job_id: str, cluster: ClusterConfig, grace_s: float):
+        self.job_id, self.cfg, self.grace_s = job_id, cluster, grace_s
+        self.order: tuple[str, ...] = ()
+
+    def allocation(self) -> tuple[str, ...]:
+        text = _run(["scontrol", "show", "job", "-o", self.job_id]).stdout
+        nodes = hostnames(parse_job_field(text, "NodeList") or "")
+        if not self.order:
+            self.order = nodes
+        return nodes
+
+    def unavailable(self, nodes: tuple[str, ...]) -> dict[str, str]:
+        if not nodes:
+            return {}
+        now = set(self.allocation())
+        out = _run(["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"], check=False).stdout
+        states = dict(line.split(None, 1) for line in out.splitlines() if len(line.split()) == 2)
+        bad = {n: s for n, s in states.items() if n in nodes and is_bad_state(s)}
+        bad.update({n: "left the allocation" for n in nodes if n not in now})
+        return bad
+
+    def launch(self, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
+               log_dir: Path) -> SlurmStep:
+        return SlurmStep(self.job_id, nodes, attempt, argv, {**env, "MASTER_ADDR": self.master_addr(nodes)},
+                         self.cfg, log_dir, self.grace_s)
+
+    def master_addr(self, nodes: tuple[str, ...]) -> str:
+        # srun places rank 0 on the step's first node in the allocation's order, not in --nodelist's order
+        rank = {n: i for i, n in enumerate(self.order)}
+        return min(nodes, key=lambda n: rank.get(n, len(rank)))

@@ -1,0 +1,252 @@
+"""The supervisor: `python -m moe_launch.orchestrator.supervisor --run-dir RUN_DIR`.
+
+Runs inside the allocation on its first node (cluster.kind=slurm) or as a local process (cluster.kind=local).
+Loop: observe -> event -> decide() -> journal -> act. Observations: the trainer step's exit (and, on Slurm, srun's
+stderr as it arrives), fault records, heartbeats (hang / launch timeout), the scheduler's view of the nodes, and a
+`STOP` file written by `moe-launch stop`. All decisions are decide()'s; this file only carries them out.
+
+A supervisor started on a new allocation (the login side resubmitted) rebuilds the earlier state from the journal, so
+exclusions, restart counts and attempt numbers carry over, and the trainer resumes from its checkpoints.
+Exit code: 0 when the run completed, 1 when it stopped for any other reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+from moe_launch.conf.load import load_config
+from moe_launch.conf.schema import RootConfig
+from moe_launch.orchestrator.backend import Cluster, Step
+from moe_launch.orchestrator.decide import decide
+from moe_launch.orchestrator.events import (
+    Event,
+    Fault,
+    Hang,
+    LaunchTimeout,
+    NodesLost,
+    PreflightDone,
+    StepExited,
+    StopRequested,
+    SuspectChecked,
+)
+from moe_launch.orchestrator.local_cluster import LocalCluster
+from moe_launch.orchestrator.plan import trainer_argv
+from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
+from moe_launch.orchestrator.summary import build_summary, write_summary
+from moe_launch.orchestrator.watch import Watcher
+
+from moe_launch.rundir import RunDir, journal_event, read_jsonl
+
+STOP_FILE = "STOP"
+_ACTION_KIND = {"launch": "launch", "relaunch": "launch", "update": "info", "stop": "stop", "complete": "done"}
+_SCHEDULER_POLL_S = 2.0
+_PREEMPT_WAIT_S = 60.0  # time the trainer gets to checkpoint after USR2 before it is killed
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def make_cluster(cfg: RootConfig) -> Cluster:
+    if cfg.cluster.kind == "local":
+        c = cfg.cluster
+        return LocalCluster(tuple(f"local{i}" for i in range(1, c.nodes + c.buffers + 1)), c.tasks_per_node)
+    from moe_launch.orchestrator.slurm import SlurmCluster
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise SystemExit("cluster.kind=slurm: the supervisor must run inside the allocation (SLURM_JOB_ID unset)")
+    return SlurmCluster(job_id, cfg.cluster, cfg.supervisor.exit_grace_s)
+
+
+def _event_record(ev: Event) -> tuple[str, tuple[str, ...], dict[str, Any]]:
+    """Journal kind, nodes and details of an observation."""
+    d = {"event": type(ev).__name__, **asdict(ev)}
+    if isinstance(ev, PreflightDone):
+        return "preflight", ev.healthy, d
+    if isinstance(ev, SuspectChecked):
+        return "preflight", (ev.node,), d
+    if isinstance(ev, Fault):
+        return "fault", (ev.node,), d
+    if isinstance(ev, StepExited):
+        return ("info" if ev.code == 0 and not ev.dead_nodes else "failure"), ev.dead_nodes + ev.failed_nodes, d
+    if isinstance(ev, Hang):
+        return "failure", ev.suspects, d
+    if isinstance(ev, NodesLost):
+        return "failure", ev.nodes, d
+    if isinstance(ev, LaunchTimeout):
+        return "failure", (), d
+    return "info", (), d
+
+
+class Supervisor:
+    def __init__(self, cfg: RootConfig, rd: RunDir, cluster: Optional[Cluster] = None):
+        self.cfg, self.rd = cfg, rd
+        self.cluster = cluster or make_cluster(cfg)
+        self.watcher = Watcher(rd, cfg.supervisor.hang_timeout_s, cfg.supervisor.launch_timeout_s)
+        self.step: Optional[Step] = None
+        self.pending: list[Event] = []
+        self.lost_seen: set[str] = set()
+        self.next_scheduler_poll = 0.0
+        self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
+        self.stop_seen = False
+        self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
+        self.state: SupervisorState
+
+    # ---- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        nodes = self.cluster.allocation()
+        records = read_jsonl(self.rd.journal)
+        prev = replay(records, self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
+        journal_event(self.rd, "allocation", nodes, job_id=os.environ.get("SLURM_JOB_ID", "local"),
+                      supervisor_host=socket.gethostname(), supervisor_pid=os.getpid(),
+                      carried_over=bool(prev), excluded=dict(prev.excluded) if prev else {})
+        state = replay(read_jsonl(self.rd.journal), self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
+        assert state is not None
+        self.state = state
+        self.handle(self.preflight(self.state.buffers))
+        while not self.state.finished:
+            for ev in self.observe():
+                self.handle(ev)
+                if self.state.finished:
+                    break
+            else:
+                time.sleep(self.cfg.supervisor.poll_s)
+        return self.finish()
+
+    def handle(self, ev: Event) -> None:
+        action = decide(self.state, ev)
+        if action.kind == "ignore":
+            return
+        kind, nodes, details = _event_record(ev)
+        journal_event(self.rd, kind, nodes, **details)
+        self.state = apply(self.state, action)
+        for out, new in action.swaps:
+            journal_event(self.rd, "exclude" if out in action.exclude else "info", (out,),
+                          reason=action.exclude.get(out, f"{out} set aside for a re-check"))
+            journal_event(self.rd, "swap", (out, new), out=out, buffer_in=new)
+        journal_event(self.rd, _ACTION_KIND[action.kind], self.state.active, action=action.to_json(),
+                      reason=action.reason, attempt=self.state.attempt, restarts=self.state.restarts)
+        self.act(action, ev)
+
+    def act(self, action: Action, ev: Event) -> None:
+        if action.kind in ("launch", "relaunch"):
+            self.failure_t = time.time() if action.kind == "relaunch" else None
+            self._end_step(graceful=False)
+            self._launch()
+            for node in action.recheck:
+                self.pending.append(self.recheck(node))
+        elif action.kind == "stop":
+            self._end_step(graceful=self.state.status in ("preempted", "stopped"))
+
+    def observe(self) -> list[Event]:
+        events, self.pending = self.pending, []
+        now = time.time()
+        if not self.stop_seen and (self.rd.root / STOP_FILE).exists():
+            self.stop_seen = True
+            events.append(StopRequested())
+        events += self.watcher.poll(now)
+        self._note_resume()
+        if self.step is not None:
+            result = self.step.poll()
+            if result is not None:
+                step, self.step = self.step, None
+                events += self.watcher.faults()  # a fault record explains the exit better than the exit code
+                events.append(StepExited(attempt=step.attempt, code=result.code, dead_nodes=result.dead_nodes,
+                                         failed_nodes=result.failed_nodes, step=self.watcher.step,
+                                         detail=result.detail))
+        if now >= self.next_scheduler_poll:
+            self.next_scheduler_poll = now + _SCHEDULER_POLL_S
+            watched = self.state.active + self.state.buffers + self.state.suspects
+            lost = {n: s for n, s in self.cluster.unavailable(watched).items() if n not in self.lost_seen}
+            if lost:
+                self.lost_seen |= set(lost)
+                events.append(NodesLost(tuple(sorted(lost)), detail=", ".join(f"{n}: {s}" for n, s in lost.items())))
+        return events
+
+    def finish(self) -> int:
+        self._end_step(graceful=False)
+        records = read_jsonl(self.rd.journal)
+        wall = time.time() - (records[0]["time"] if records else time.time())
+        if self.state.status != "preempted":  # preempted: the login side resubmits; the run is not over
+            write_summary(self.rd, build_summary(self.rd, self.state, wall, resubmits=_resubmits(records)))
+        return 0 if self.state.status == "completed" else 1
+
+    # ---- side effects -------------------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        attempt = self.state.attempt
+        env = {"MASTER_PORT": str(free_port()), "MOE_LAUNCH_ATTEMPT": str(attempt)}
+        argv = self.trainer_argv + ["--attempt", str(attempt)]
+        self.watcher.start_attempt(attempt, time.time())
+        self.step = self.cluster.launch(self.state.active, attempt, argv, env, self.rd.logs / f"attempt{attempt}")
+
+    def _end_step(self, graceful: bool) -> None:
+        step, self.step = self.step, None
+        if step is None:
+            return
+        if graceful:
+            step.terminate("USR2")  # the trainer checkpoints and exits 4
+            deadline = time.time() + _PREEMPT_WAIT_S
+            while time.time() < deadline and step.poll() is None:
+                time.sleep(0.2)
+        step.kill()
+        getattr(step, "wait", lambda _t: True)(10.0)
+
+    def _note_resume(self) -> None:
+        beat = self.watcher.first_beat
+        if beat is None or self.failure_t is None:
+            return
+        journal_event(self.rd, "resume", self.state.active, attempt=self.state.attempt, step=beat.get("step"),
+                      seconds_since_failure=round(beat["time"] - self.failure_t, 3))
+        self.failure_t = None
+
+    def preflight(self, nodes: tuple[str, ...]) -> PreflightDone:
+        result = self._run_preflight(nodes)
+        if result is None:
+            return PreflightDone(healthy=nodes)
+        failed = {n: "; ".join(r) if isinstance(r, (list, tuple)) else str(r) for n, r in result.failed.items()}
+        return PreflightDone(healthy=tuple(n for n in nodes if n in set(result.healthy)), failed=failed)
+
+    def recheck(self, node: str) -> SuspectChecked:
+        result = self._run_preflight((node,))
+        if result is None:  # without a check we cannot clear it: it stays out of the job
+            return SuspectChecked(node, healthy=False, detail="no preflight to clear it (health.preflight=false)")
+        why = result.failed.get(node)
+        return SuspectChecked(node, healthy=node in result.healthy, detail="; ".join(why) if why else "")
+
+    def _run_preflight(self, nodes: tuple[str, ...]) -> Any:
+        if not self.cfg.health.preflight:
+            journal_event(self.rd, "info", nodes, message="preflight skipped (health.preflight=false)")
+            return None
+        try:
+            from moe_launch.health.preflight import run_preflight
+        except ImportError as e:
+            journal_event(self.rd, "info", nodes, message=f"preflight skipped: health module not available ({e})")
+            return None
+        return run_preflight(list(nodes), self.cfg.health, self.cfg.cluster, self.rd.health, self.cfg.run.name)
+
+
+def _resubmits(records: list[dict[str, Any]]) -> int:
+    return sum(1 for r in records if r.get("kind") == "resubmit")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_launch.orchestrator.supervisor", description=__doc__.split("\n")[0])
+    ap.add_argument("--run-dir", required=True, type=Path)
+    args = ap.parse_args(argv)
+    rd = RunDir(args.run_dir.absolute()).make()
+    cfg = load_config(rd.config)
+    return Supervisor(cfg, rd).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

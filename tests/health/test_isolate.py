@@ -1,0 +1,86 @@
+"""Isolation strategy against a model cluster: each node has a slowdown factor; a group runs at the speed of its
+slowest member. The strategy must name exactly the slow nodes, with O(log N) tests for a single bad node."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moe_launch.health.isolate import GroupMeasurement, group_is_bad, isolate
+
+
+def model_cluster(n: int, slow: dict[int, float], corrupt: frozenset[int] = frozenset(), jitter: float = 0.04):
+    nodes = [f"node{i}" for i in range(1, n + 1)]
+    calls: list[list[str]] = []
+
+    def measure(group: list[str]) -> GroupMeasurement:
+        calls.append(group)
+        ids = [int(g[4:]) for g in group]
+        base = 100.0 / len(group)  # bandwidth falls with node count, as on real fabrics
+        factor = max(slow.get(i, 1.0) for i in ids)
+        wobble = 1.0 - jitter * ((sum(ids) * 7919) % 13) / 13  # deterministic noise, below the 10% threshold
+        wrong = 5 if corrupt & set(ids) else 0
+        return GroupMeasurement(tuple(group), base / factor * wobble, wrong)
+
+    return nodes, measure, calls
+
+
+@pytest.mark.parametrize("n", [4, 5, 6, 8, 16, 32])
+def test_single_slow_node_is_named_with_few_tests(n):
+    for bad in {1, 2, n // 2 + 1, n}:
+        nodes, measure, calls = model_cluster(n, {bad: 3.0})
+        r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+        assert r.bad == [f"node{bad}"], (n, bad, r)
+        assert r.inconclusive == []
+        assert len(calls) <= 2 * math.ceil(math.log2(n)) + 3, (n, bad, len(calls))
+
+
+def test_wrong_elements_convict_even_at_full_speed():
+    nodes, measure, _ = model_cluster(8, {}, corrupt=frozenset({6}))
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    assert r.bad == ["node6"]
+
+
+def test_two_bad_nodes_in_different_halves_without_baselines():
+    nodes, measure, _ = model_cluster(8, {2: 4.0, 7: 4.0})
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    # both halves equally slow: nothing to compare them with, so no node is cleared or convicted
+    assert r.bad == [] and sorted(r.inconclusive) == sorted(nodes)
+
+
+def test_two_bad_nodes_with_baselines():
+    nodes, measure, _ = model_cluster(8, {2: 4.0, 7: 4.0})
+    r = isolate(nodes, measure, baseline=lambda k: 100.0 / k, threshold=0.9)
+    assert sorted(r.bad) == ["node2", "node7"] and r.inconclusive == []
+
+
+def test_two_bad_nodes_in_one_quarter_found_via_anchor_pairs():
+    nodes, measure, _ = model_cluster(8, {1: 4.0, 3: 4.0})
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    assert sorted(r.bad) == ["node1", "node3"]
+
+
+def test_two_nodes_cannot_be_resolved():
+    nodes, measure, _ = model_cluster(2, {2: 3.0})
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    assert r.bad == [] and r.inconclusive == ["node1", "node2"]
+
+
+def test_failure_that_does_not_reproduce():
+    nodes, measure, _ = model_cluster(4, {})
+    r = isolate(nodes, measure, baseline=lambda k: 100.0 / k, threshold=0.9)
+    assert r.bad == [] and r.inconclusive == []
+    assert any("did not reproduce" in n for n in r.notes)
+    # without a baseline for 2 nodes the same answers cannot clear anybody: alike halves could both be slow
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    assert r.bad == [] and sorted(r.inconclusive) == nodes
+
+
+def test_group_is_bad_rules():
+    ok = GroupMeasurement(("a", "b"), 9.5)
+    assert not group_is_bad(ok, 10.0, 0.9)
+    assert group_is_bad(GroupMeasurement(("a", "b"), 8.9), 10.0, 0.9)
+    assert group_is_bad(GroupMeasurement(("a", "b"), 50.0, wrong=1), 10.0, 0.9)
+    assert group_is_bad(GroupMeasurement(("a", "b"), 0.0, error="srun failed"), None, 0.9)
+    assert not group_is_bad(ok, None, 0.9)

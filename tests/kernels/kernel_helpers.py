@@ -1,0 +1,18 @@
+"""Random routing for the kernel tests (imported by the test modules of this folder)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative L2 error of a against b (the metric of issue 4's tolerances)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def random_idx(T: int, K: int, num_experts: int, gen: torch.Generator, skip: range = range(0)) -> torch.Tensor:
+    """[T, K] distinct top-k experts per token, never choosing the experts in `skip` (they get zero tokens)."""
+    pool = torch.tensor([e for e in range(num_experts) if e not in skip])
+    assert len(pool) >= K
+    scores = torch.rand(T, len(pool), generator=gen)
+    return pool[scores.topk(K, dim=1).indices]

@@ -1,0 +1,57 @@
+"""The real entry point on two gloo ranks: DP=2 equals DP=1, and a NaN on rank 1 is a soft fault naming its node."""
+
+import json
+
+import torch
+
+from conftest import launch_ranks, tiny_cfg, write_run
+from moe_launch.conf.schema import FaultInjection
+from moe_launch.rundir import EXIT_OK, EXIT_SOFT_FAULT, read_jsonl
+from moe_launch.trainer.checkpoint.store import choose_resume_slot, read_manifest
+from moe_launch.trainer.loop import Trainer
+
+torch.set_num_threads(1)
+
+
+def test_dp2_matches_dp1_with_the_same_global_batch(tmp_path, data_cache):
+    one = write_run(tmp_path / "dp1", tiny_cfg(data_cache, steps=4, ckpt_interval=4))
+    assert Trainer(tiny_cfg(data_cache, steps=4, ckpt_interval=4), one).train() == EXIT_OK
+    two = write_run(tmp_path / "dp2", tiny_cfg(data_cache, dp=2, steps=4, ckpt_interval=4))
+    procs = launch_ranks(two, world=2)
+    assert [p.returncode for p in procs] == [EXIT_OK, EXIT_OK], procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+
+    m1, m2 = read_jsonl(one.metrics), read_jsonl(two.metrics)
+    assert [r["step"] for r in m2] == [1, 2, 3, 4]
+    for a, b in zip(m1, m2):
+        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
+    # the checkpoint is written scattered: each rank its own RNG file, rank 0 the model and trainer state
+    manifest = read_manifest(choose_resume_slot(two.checkpoints).path)
+    writers = {rel: info["rank"] for rel, info in manifest["files"].items()}
+    assert writers["rng/rank1.pt"] == 1 and writers["rng/rank0.pt"] == 0 and writers["model/dense.pt"] == 0
+    beats = {r: json.loads((two.heartbeat / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert beats[0]["step"] == beats[1]["step"] == 4 and beats[1]["host"] == "node1"
+
+
+def test_nan_on_rank1_at_step5_is_a_soft_fault(tmp_path, data_cache):
+    cfg = tiny_cfg(data_cache, dp=2, steps=8, ckpt_interval=2,
+                   fault_injection=FaultInjection(kind="nan", rank=1, step=5, attempt=0))
+    rd = write_run(tmp_path / "run", cfg)
+    procs = launch_ranks(rd, world=2)
+    assert [p.returncode for p in procs] == [EXIT_SOFT_FAULT] * 2, procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+
+    records = sorted(p.name for p in rd.faults.iterdir())
+    assert records == ["node1-rank1-step5.json"]
+    record = json.loads((rd.faults / records[0]).read_text())
+    assert (record["host"], record["rank"], record["step"]) == ("node1", 1, 5) and "loss" in record["what"]
+    # nothing after the fault: the newest checkpoint is step 4, no metrics or heartbeat beyond step 4
+    assert choose_resume_slot(rd.checkpoints).step == 4
+    assert max(r["step"] for r in read_jsonl(rd.metrics)) == 4
+    assert max(e["details"]["step"] for e in read_jsonl(rd.journal) if e["kind"] == "checkpoint") == 4
+    assert json.loads((rd.heartbeat / "rank0.json").read_text())["step"] == 4
+    fault = [e for e in read_jsonl(rd.journal) if e["kind"] == "fault"]
+    assert len(fault) == 1 and fault[0]["nodes"] == ["node1"] and fault[0]["details"]["ranks"] == [1]
+    # attempt 1 resumes from step 4 and the injection (attempt 0 only) does not fire again
+    procs = launch_ranks(rd, world=2, attempt=1)
+    assert [p.returncode for p in procs] == [EXIT_OK] * 2, procs[0].stdout[-3000:]
+    assert max(r["step"] for r in read_jsonl(rd.metrics)) == 8

@@ -1,0 +1,58 @@
+"""`python -m moe_launch.trainer --run-dir RUN_DIR [--attempt K]`, one process per rank (torchrun or srun).
+
+Exit codes (moe_launch.rundir): 0 done, 2 bad config or data, 3 NaN/Inf on a rank (fault record written),
+4 preempted by SIGUSR2/SIGTERM after a clean checkpoint, 5 unusable checkpoint; anything else is a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from moe_launch.errors import CheckpointError, ConfigError, DataError
+from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, RunDir
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moe_launch.trainer", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, type=Path, help="run directory holding config.yaml")
+    ap.add_argument("--attempt", type=int, default=0, help="launch attempt (fault injection fires on its attempt only)")
+    args = ap.parse_args(argv)
+
+    from omegaconf.errors import OmegaConfBaseException
+
+    from moe_launch.conf.load import load_config
+
+    try:
+        cfg = load_config(args.run_dir / "config.yaml")
+    except (ConfigError, OSError, OmegaConfBaseException) as e:
+        print(f"[trainer] bad config {args.run_dir / 'config.yaml'}: {e}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    if cfg.train.deterministic:  # cuBLAS reads this when CUDA starts; it must precede any CUDA call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+    from moe_launch.trainer.dist import detect_env, init_distributed, pick_device, shutdown
+    from moe_launch.trainer.loop import Trainer
+
+    code = EXIT_CONFIG
+    try:
+        env = detect_env(os.environ)
+        device = pick_device(env)
+        init_distributed(env, device)
+        code = Trainer(cfg, RunDir(args.run_dir), attempt=args.attempt, device=device).train()
+    except (ConfigError, DataError) as e:
+        print(f"[trainer] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = EXIT_CONFIG
+    except CheckpointError as e:
+        print(f"[trainer] CheckpointError: {e}", file=sys.stderr, flush=True)
+        code = EXIT_CHECKPOINT
+    if code == EXIT_OK:
+        shutdown()  # on failure paths peers may be gone: leave without a collective teardown
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Where the tokenization tasks of `moe-data prepare` run: local processes or a Slurm job array (submitit).
+
+Both show a rich progress bar (bytes of input tokenized, parts done, tokens/s overall and per core) on stderr, and
+both let every task finish before reporting failures, so a rerun redoes only the parts that failed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from moe_launch.errors import DataError, SubmissionError
+from moe_launch.trainer.data.prepare import PartTask, tokenize_part
+
+if TYPE_CHECKING:
+    from moe_launch.trainer.data.prepare import PrepareSpec
+
+_SLURM_POLL_S = 2.0
+
+
+class _Bar:
+    """Progress over the input bytes of the pending parts; a no-op when disabled."""
+
+    def __init__(self, enabled: bool, tasks: list[PartTask], where: str):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.seconds = 0.0
+        self.parts = 0
+        self.n_parts = len(tasks)
+        self.progress = Progress(
+            TextColumn(f"[bold]tokenize ({where})"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            disable=not enabled,
+        )
+        self.task = self.progress.add_task("tokenize", total=sum(t.nbytes for t in tasks) or 1, status=self._status())
+
+    def _status(self) -> str:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        per_core = self.tokens / self.seconds if self.seconds else 0.0
+        return f"parts {self.parts}/{self.n_parts}  {self.tokens / wall:,.0f} tok/s  {per_core:,.0f} tok/s/core"
+
+    def done(self, task: PartTask, record: dict[str, Any]) -> None:
+        self.parts += 1
+        self.tokens += record["tokens"]
+        self.seconds += record["seconds"]
+        self.progress.update(self.task, advance=task.nbytes, status=self._status())
+
+    def __enter__(self) -> "_Bar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+
+def _raise_failures(failures: list[tuple[PartTask, BaseException]], n_tasks: int) -> None:
+    if not failures:
+        return
+    task, exc = failures[0]
+    raise DataError(
+        f"{len(failures)} of {n_tasks} tokenization parts failed (first: part {task.part}, files "
+        f"{task.files[0]}...: {exc}); the finished parts are kept: fix the cause and re-run the same command, "
+        "which skips them"
+    ) from exc
+
+
+def run_local(tasks: list[PartTask], workers: int, progress: bool) -> list[dict[str, Any]]:
+    """Tokenize in `workers` spawned processes (spawn: the caller may hold threads, e.g. a trainer's gloo group)."""
+    records: list[dict[str, Any]] = []
+    failures: list[tuple[PartTask, BaseException]] = []
+    if not tasks:
+        return records
+    with _Bar(progress, tasks, f"{min(workers, len(tasks))} processes") as bar:
+        if workers == 1 or len(tasks) == 1:
+            for task in tasks:
+                try:
+                    records.append(tokenize_part(task))
+                    bar.done(task, records[-1])
+                except Exception as exc:  # keep going: the other parts can still finish
+                    failures.append((task, exc))
+        else:
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+                futures = {pool.submit(tokenize_part, task): task for task in tasks}
+                for future in as_completed(futures):
+                    try:
+                        records.append(future.result())
+                        bar.done(futures[future], records[-1])
+                    except Exception as exc:
+                        failures.append((futures[future], exc))
+    _raise_failures(failures, len(tasks))
+    return records
+
+
+def run_slurm(tasks: list[PartTask], spec: "PrepareSpec", out_dir: Path) -> list[dict[str, Any]]:
+    """One Slurm array task per part (at most `spec.workers` at once), submitted and watched through submitit.
+
+    The output directory must be on a filesystem the compute nodes share; the tasks write parts and markers there.
+    """
+    if not tasks:
+        return []
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=out_dir / "slurm" / "%j", cluster="slurm")
+    params: dict[str, Any] = {
+        "name": "moe-data-prepare",
+        "timeout_min": spec.slurm_time_min,
+        "nodes": 1,
+        "tasks_per_node": 1,
+        "cpus_per_task": 1,
+        "slurm_array_parallelism": spec.workers,
+    }
+    if spec.slurm_partition:
+        params["slurm_partition"] = spec.slurm_partition
+    executor.update_parameters(**params)
+    try:
+        jobs = executor.map_array(tokenize_part, tasks)
+    except Exception as exc:
+        raise SubmissionError(f"sbatch refused the tokenization array ({exc}); check --partition and the cluster")
+    records: list[dict[str, Any]] = []
+    failures: list[tuple[PartTask, BaseException]] = []
+    waiting = dict(zip(tasks, jobs))
+    with _Bar(spec.progress, tasks, f"slurm array {jobs[0].job_id.split('_')[0]}") as bar:
+        while waiting:
+            for task, job in list(waiting.items()):
+                if not job.done():
+                    continue
+                del waiting[task]
+                try:
+                    records.append(job.result())
+                    bar.done(task, records[-1])
+                except Exception as exc:  # submitit raises with the task's stderr tail attached
+                    failures.append((task, exc))
+            if waiting:
+                time.sleep(_SLURM_POLL_S)
+    _raise_failures(failures, len(tasks))
+    return records

@@ -1,0 +1,285 @@
+"""The Trainer: build, resume, then `train_step` until done; faults, preemption and checkpoints at step ends.
+
+One optimizer step (`_step`):
+  forward/backward over the micro-batches of this rank's slice of the global batch (loss / accum steps)
+  -> local fault check (own loss, own gradients, before the reduction could spread a NaN)
+  -> one all-reduce of [fault flag per rank | stop flag | loss parts]: every rank takes the same decision
+  -> reduce gradients, clip, AdamW step (trainer/parallel/optimizer.py)
+  -> heartbeat, metrics (rank 0), checkpoint / model checkpoint when due, preemption exit.
+Steps are 0-based inside (`step` = the batch index = the data position); records and checkpoints use the number of
+COMPLETED steps (`done` = step + 1). The process group must exist before a Trainer is built (see __main__.py).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+
+from moe_launch.conf.schema import RootConfig
+from moe_launch.errors import CheckpointError, ConfigError
+from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
+from moe_launch.trainer import faults
+from moe_launch.trainer.checkpoint import state as ckpt_state
+from moe_launch.trainer.checkpoint.layout import Coords
+from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
+from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
+from moe_launch.trainer.model import build_model
+from moe_launch.trainer.optim import clip_norm_at, lr_at
+from moe_launch.trainer.parallel.broadcast import broadcast_model
+from moe_launch.trainer.parallel.dispatch import attach_dispatchers
+from moe_launch.trainer.parallel.groups import build_groups
+from moe_launch.trainer.parallel.optimizer import build_optimizer
+
+
+def set_determinism(deterministic: bool, device: torch.device) -> None:
+    """CPU: bitwise repeatable. GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts (__main__ does);
+    flash attention backward and atomics-based scatter/index_add are not deterministic on GPU, so torch raises
+    for ops without a deterministic kernel instead of silently differing (warn_only=False)."""
+    torch.use_deterministic_algorithms(deterministic)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not deterministic
+        torch.backends.cuda.matmul.allow_tf32 = not deterministic
+
+
+def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if setting == "bf16" else torch.float32
+
+
+class Trainer:
+    def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu")):
+        self.cfg, self.run_dir, self.attempt, self.device = cfg, run_dir.make(), attempt, device
+        t, p = cfg.train, cfg.parallel
+        self.groups = build_groups(p)
+        self.comm = Comm(device)
+        self.rank, self.host = self.groups.world_rank, node_name()
+        self.hosts: list[str] = self.comm.all_gather_object(self.host)
+        self.coords = Coords(rank=self.rank, dp_rank=self.groups.dp_rank, ep_rank=self.groups.ep_rank,
+                             ep_size=self.groups.ep_size, optimizer_sharding=p.optimizer_sharding,
+                             is_moe=cfg.model.kind == "moe")
+        set_determinism(t.deterministic, device)
+        self.dtype = compute_dtype(t.dtype, device)
+        per_pass = self.groups.data_size * t.micro_batch_size
+        if t.global_batch_size % per_pass:
+            raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not a multiple of data ranks "
+                              f"({self.groups.data_size}) x train.micro_batch_size", f"use a multiple of {per_pass}")
+        self.accum_steps = t.global_batch_size // per_pass
+        self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
+        self.stop_requested = False
+
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
+        attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
+        self.loader = self._open_data()
+        self.resume = self._choose_resume()
+        self.start_step = self._load_model()
+        self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
+        if self.resume.path is not None:
+            ckpt_state.load_optimizer(self.resume.path, self.coords, self.optimizer)
+            ckpt_state.load_rng(self.resume.path, self.coords, device)
+            self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
+        self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
+        self.last_ckpt_step = self.start_step
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _open_data(self):
+        from moe_launch.trainer.data import TokenLoader, resolve_dataset
+
+        m, t, d = self.cfg.model, self.cfg.train, self.cfg.data
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError("train.seq_len", f"{t.seq_len} is above model.max_seq_len={m.max_seq_len}",
+                              "lower train.seq_len or raise model.max_seq_len")
+        path = resolve_dataset(d, t.seq_len, m.vocab_size)
+        return TokenLoader(path, d.format, t.seq_len, t.global_batch_size, self.groups.data_rank,
+                           self.groups.data_size, t.seed, vocab_size=m.vocab_size)
+
+    def _choose_resume(self) -> SlotChoice:
+        """Rank 0 verifies the slots (reads every file once) and tells the others."""
+        choice = choose_resume_slot(self.run_dir.checkpoints) if self.rank == 0 else None
+        choice = self.comm.broadcast_object(choice)
+        if self.rank == 0 and choice.rejected:
+            for slot, reason in choice.rejected.items():
+                print(f"[trainer] checkpoint {slot} rejected: {reason}", flush=True)
+        return choice
+
+    def _load_model(self) -> int:
+        """Weights from the resume slot, else from model.init_from=ckpt:..., else the fresh init (identical on every
+        rank by construction). Returns the first step to run."""
+        if self.resume.path is not None:
+            saved = ckpt_state.load_trainer_state(self.resume.path)
+            mine = self._layout()
+            if saved["layout"] != mine:
+                raise CheckpointError(f"{self.resume.path} was written with {saved['layout']}, this run has {mine}; "
+                                      "resume with the same parallel config or start from a model-only checkpoint")
+            self._load_and_broadcast(self.resume.path)
+            if self.rank == 0:
+                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
+                              slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
+                              rejected=self.resume.rejected, attempt=self.attempt)
+            return int(saved["step"])
+        init_from = self.cfg.model.init_from
+        if init_from is not None and init_from.startswith("ckpt:"):
+            path = ckpt_state.verified_model_dir(init_from)
+            self._load_and_broadcast(path)
+            if self.rank == 0:
+                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
+                              fresh_optimizer=True, step=0, attempt=self.attempt)
+        elif init_from is not None:
+            raise ConfigError("model.init_from", f"{init_from!r}: HF import is not part of the trainer core",
+                              "convert the HF model to a model-step-N checkpoint and use ckpt:/path")
+        return 0
+
+    def _load_and_broadcast(self, path) -> None:
+        """Only the first DP member of each EP rank reads the files; the others receive the weights."""
+        if self.groups.dp_rank == 0:
+            ckpt_state.load_model(path, self.coords, self.model)
+        broadcast_model(self.model, self.groups)
+
+    def _layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"dp": p.dp, "ep": p.ep, "pp": p.pp, "optimizer_sharding": p.optimizer_sharding,
+                "world_size": self.groups.world_size}
+
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def train(self) -> int:
+        t = self.cfg.train
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGUSR2, signal.SIGTERM):
+                signal.signal(sig, self._request_stop)
+        sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress) if self.rank == 0 else None
+        try:
+            for step in range(self.start_step, t.steps):
+                code = self._step(step, sink)
+                if code is not None:
+                    return code
+            if t.ckpt_interval and self.last_ckpt_step < t.steps:
+                self.save_checkpoint(t.steps)
+            return EXIT_OK
+        finally:
+            if sink is not None:
+                sink.close()
+
+    def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
+        """Returns local means over micro-batches: [loss, lm, aux, z] and the per-layer stats."""
+        batch_BL = self.loader.get(step).to(self.device, non_blocking=True)
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        per_layer: list = []
+        for mb_BL in batch_BL.split(self.cfg.train.micro_batch_size):
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+                loss, parts = self.model.compute_loss(mb_BL[:, :-1], mb_BL[:, 1:])
+            if self.injection == "nan" and done == self.cfg.train.fault_injection.step:
+                loss = faults.poison_loss(loss)
+            (loss / self.accum_steps).backward()
+            sums += torch.stack([loss.detach(), parts.lm_loss, parts.aux_loss, parts.z_loss]).double()
+            per_layer.append(parts)
+        if self.injection == "inf_grad" and done == self.cfg.train.fault_injection.step:
+            faults.poison_grads(list(self.model.parameters()))
+        return sums / self.accum_steps, per_layer
+
+    def _step(self, step: int, sink: Optional[MetricsSink]) -> Optional[int]:
+        t, done = self.cfg.train, step + 1
+        t0 = time.perf_counter()
+        if self.injection in ("hang", "crash", "sigkill") and done == t.fault_injection.step:
+            {"hang": faults.hang_forever, "sigkill": faults.sigkill_self}.get(self.injection, self._crash)()
+        local_BP, per_layer = self._forward_backward(step, done)
+        what = faults.local_fault(float(local_BP[0]), [p.grad for p in self.model.parameters() if p.grad is not None])
+
+        world = self.groups.world_size
+        shared = torch.zeros(world + 1 + 4, dtype=torch.float64, device=self.device)
+        shared[self.rank] = 1.0 if what else 0.0
+        shared[world] = 1.0 if self.stop_requested else 0.0
+        shared[world + 1:] = local_BP
+        self.comm.all_reduce_(shared)  # the one extra collective of the step; a host sync follows
+        faulty = [r for r in range(world) if shared[r] > 0]
+        if faulty:
+            return self._fault(done, faulty, what)
+
+        self.optimizer.reduce_grads()
+        grad_norm = self.optimizer.clip_grad_norm_(clip_norm_at(step, t))
+        if not math.isfinite(grad_norm):  # finite everywhere locally, non-finite reduced: report it from rank 0
+            return self._fault(done, [0], f"non-finite global gradient norm {grad_norm} after reduction")
+        lr = lr_at(step, t)
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        dt = time.perf_counter() - t0
+
+        write_heartbeat(self.run_dir, self.rank, done, self.host)
+        if sink is not None and (done % t.log_interval == 0 or done == t.steps):
+            sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer))
+        if t.step_sleep_s:
+            time.sleep(t.step_sleep_s)
+        stop = shared[world] > 0
+        if (t.ckpt_interval and done % t.ckpt_interval == 0) or stop:  # preemption always leaves a checkpoint
+            self.save_checkpoint(done)
+        if t.model_ckpt_interval and done % t.model_ckpt_interval == 0:
+            self.save_model_checkpoint(done)
+        if stop:
+            if self.rank == 0:
+                journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done, checkpoint=self.newest_slot)
+            return EXIT_PREEMPTED
+        return None
+
+    def _crash(self) -> None:
+        raise faults.InjectedCrash(f"injected crash on rank {self.rank} at step {self.cfg.train.fault_injection.step}")
+
+    def _record(self, done: int, mean_P: torch.Tensor, grad_norm: float, lr: float, dt: float, per_layer: list) -> dict:
+        t = self.cfg.train
+        loss, lm, aux, z = (float(v) for v in mean_P)
+        n_layers = len(per_layer[0].aux_per_layer)
+        counts = [sum(p.counts_per_layer[i] for p in per_layer) for i in range(n_layers)]
+        load_max, load_mean = load_summary(counts)
+        return {
+            "step": done, "loss": loss, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": grad_norm,
+            "lr": lr, "tokens_per_s": t.global_batch_size * t.seq_len / dt, "expert_load_max": load_max,
+            "expert_load_mean": load_mean, "time": time.time(),
+            "aux_per_layer": [float(sum(p.aux_per_layer[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)],
+            "z_per_layer": [float(sum(p.z_per_layer[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)],
+        }
+
+    def _fault(self, done: int, faulty: list[int], what: Optional[str]) -> int:
+        """Every rank returns EXIT_SOFT_FAULT; the faulty ones leave a record; nothing of this step is saved."""
+        if self.rank in faulty:
+            faults.write_fault_record(self.run_dir, self.host, self.rank, done, what or "non-finite values",
+                                      attempt=self.attempt)
+        if self.rank == 0:
+            journal_event(self.run_dir, "fault", sorted({self.hosts[r] for r in faulty}), step=done,
+                          ranks=faulty, what=what if self.rank in faulty else "non-finite values on other ranks")
+        return EXIT_SOFT_FAULT
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def _trainer_state(self, done: int) -> dict:
+        return {"step": done, "data": self.loader.state_dict(), "layout": self._layout(),
+                "model": asdict(self.cfg.model), "time": time.time()}
+
+    def _kill_hook(self, done: int):
+        if self.injection == "kill_during_ckpt" and done >= self.cfg.train.fault_injection.step:
+            return faults.sigkill_self
+        return None
+
+    def save_checkpoint(self, done: int) -> None:
+        slot = next_slot(self.newest_slot)
+        t0 = time.perf_counter()
+        ckpt_state.save(self.run_dir.checkpoints / slot, done, self.coords, self.model, self.optimizer,
+                        self._trainer_state(done), self.comm, self.device, after_shards=self._kill_hook(done))
+        self.newest_slot, self.last_ckpt_step = slot, done
+        if self.rank == 0:
+            journal_event(self.run_dir, "checkpoint", [], slot=slot, step=done,
+                          seconds=round(time.perf_counter() - t0, 3))
+
+    def save_model_checkpoint(self, done: int) -> None:
+        path = self.run_dir.checkpoints / f"model-step-{done}"
+        ckpt_state.save(path, done, self.coords, self.model, None, {}, self.comm, self.device, model_only=True,
+                        meta={"model": asdict(self.cfg.model)})
+        if self.rank == 0:
+            journal_event(self.run_dir, "checkpoint", [], slot=path.name, step=done, model_only=True)

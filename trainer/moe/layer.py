@@ -1,0 +1,81 @@
+"""The MoE feed-forward layer: router, its losses, then expert computation through a replaceable dispatcher.
+
+Shapes: B batch, S sequence, T = B*S tokens, D model dim, F expert hidden, E_local experts owned by this rank
+(the global experts [e_start, e_start + E_local)), K top-k.
+
+Two swappable parts, both plain attributes chosen at build time (never by control flow in forward):
+  experts_fn  (x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=) -> y_TD over the LOCAL experts;
+              model.moe.impl picks trainer.moe.reference.experts_reference or kernels.moe.fast_experts.
+  dispatcher  (x_TD, idx_TK, w_TK, layer) -> y_TD. `local_dispatch` runs every expert here (EP=1); expert
+              parallelism (trainer/parallel) installs all-gather or all-to-all dispatchers that move tokens
+              between EP ranks and call layer.experts_fn on the tokens routed to this rank's experts.
+The aux and z losses and the load counts are computed from this rank's own routing, before dispatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moe_launch.conf.schema import MoEConfig
+from moe_launch.errors import ConfigError
+from moe_launch.trainer.moe.losses import expert_counts, load_balancing_loss, router_z_loss
+from moe_launch.trainer.moe.reference import experts_reference
+from moe_launch.trainer.moe.router import Router
+
+ExpertsFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class RouterStats:
+    aux_loss: torch.Tensor  # scalar, unweighted (the model applies model.moe.aux_loss_coef)
+    z_loss: torch.Tensor  # scalar, unweighted
+    counts_E: torch.Tensor  # int64 [E global], no gradient
+
+
+def resolve_experts_fn(impl: str) -> ExpertsFn:
+    if impl == "reference":
+        return experts_reference
+    try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
+        from moe_launch.kernels.moe import fast_experts
+    except ImportError as e:
+        raise ConfigError("model.moe.impl", f"'fast' needs moe_launch.kernels.moe.fast_experts ({e})",
+                          "install the kernels (triton) or use model.moe.impl=reference") from e
+    return fast_experts
+
+
+def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, layer: "MoELayer") -> torch.Tensor:
+    """No expert parallelism: this rank owns every expert its tokens are routed to."""
+    return layer.experts_fn(x_TD, idx_TK, w_TK, layer.w_gate_EFD, layer.w_up_EFD, layer.w_down_EDF,
+                            e_start=layer.e_start)
+
+
+class MoELayer(nn.Module):
+    def __init__(self, d_model: int, cfg: MoEConfig, ep_rank: int = 0, ep_size: int = 1):
+        super().__init__()
+        if cfg.num_experts % ep_size != 0:
+            raise ConfigError("parallel.ep", f"{cfg.num_experts} experts cannot be split over ep={ep_size}",
+                              "choose parallel.ep dividing model.moe.num_experts")
+        E_local = cfg.num_experts // ep_size
+        self.num_experts, self.num_local_experts, self.top_k = cfg.num_experts, E_local, cfg.top_k
+        self.e_start = ep_rank * E_local
+        self.router = Router(d_model, cfg)
+        self.w_gate_EFD = nn.Parameter(torch.empty(E_local, cfg.expert_hidden, d_model))
+        self.w_up_EFD = nn.Parameter(torch.empty(E_local, cfg.expert_hidden, d_model))
+        self.w_down_EDF = nn.Parameter(torch.empty(E_local, d_model, cfg.expert_hidden))
+        for p in (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF):
+            p._moe_expert = True  # optimizers and checkpoints treat expert weights as EP-sharded
+        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl)
+        self.dispatcher = local_dispatch
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        r = self.router(x_TD)
+        counts_E = expert_counts(r.idx_TK, self.num_experts)
+        stats = RouterStats(aux_loss=load_balancing_loss(r.probs_TE, counts_E), z_loss=router_z_loss(r.logits_TE),
+                            counts_E=counts_E)
+        y_TD = self.dispatcher(x_TD, r.idx_TK, r.w_TK, self)
+        return y_TD.view_as(x_BSD), stats
