@@ -55,6 +55,43 @@ def make_layer(experts_fn, params, K, uniform=False, **kw):
     return layer
 
 
+def naive_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0):
+    """The issue's 'naive pipeline' baseline: argsort + gather + 3x torch._grouped_mm + index_add, plain autograd."""
+    T, K = idx_TK.shape
+    flat = idx_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.cumsum(torch.bincount(flat, minlength=w_gate_EFD.shape[0]), 0).to(torch.int32)
+    tok = order // K
+    xs = x_TD[tok]
+    g = torch._grouped_mm(xs, w_gate_EFD.transpose(1, 2), offs=ends)
+    u = torch._grouped_mm(xs, w_up_EFD.transpose(1, 2), offs=ends)
+    y = torch._grouped_mm(F.silu(g) * u, w_down_EDF.transpose(1, 2), offs=ends)
+    return torch.zeros_like(x_TD).index_add(0, tok, y * w_TK.reshape(-1)[order, None])
+
+
+def sync_free_check(params, x_TD, K, log):
+    """fast_experts forward+backward under torch.cuda.set_sync_debug_mode('error'): any host sync raises."""
+    from moe_launch.kernels.moe import fast_experts
+
+    router_ED, wg, wu, wd = params
+    w_TK, idx_TK = route(x_TD, router_ED, K)
+    w_TK = w_TK.detach().requires_grad_()
+    xx = x_TD.detach().requires_grad_()
+    fast_experts(xx, idx_TK, w_TK, wg, wu, wd)  # warm-up: Triton compiles (and may sync) on first launch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = fast_experts(xx, idx_TK, w_TK, wg, wu, wd)
+        torch.autograd.grad(y, [xx, w_TK, wg, wu, wd], torch.ones_like(y))
+        ok = True
+    except Exception as e:  # noqa: BLE001
+        ok = f"sync detected: {e!r}"[:300]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    log(f"  check no host sync in fast_experts fwd+bwd: {ok}")
+    return ok
+
+
 def hf_block(params, dims: Dims, impl: str, dtype, device):
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
@@ -251,6 +288,7 @@ def main() -> None:
     if not args.smoke:
         log("kernel checks (GPU, each kernel vs its torch reference):")
         results["checks"] = kernel_checks(device, log)
+        results["checks"]["no_host_sync"] = sync_free_check(params, x_TD, K, log)
         a = torch.randn(8192, 8192, device=device, dtype=dtype)
         ms = bench(lambda: a @ a, device)
         dense_tflops = 2 * 8192**3 / ms / 1e9
@@ -265,6 +303,7 @@ def main() -> None:
         "ours fast (torch grouped_mm)": make_layer(fast_experts, params, K),
         "ours fast (triton gemm)": make_layer(fast_experts, params, K, gemm_impl="triton"),
         "ours reference layer": make_layer(experts_reference, params, K),
+        "naive pipeline (argsort+gather+3x torch._grouped_mm+index_add)": make_layer(naive_experts, params, K),
         "ours fast, forced-uniform routing": make_layer(fast_experts, params, K, uniform=True),
     }
     hf_params = {}  # HF blocks hold their own copies of the weights: grads are read from those
@@ -309,6 +348,8 @@ def main() -> None:
     del outs
 
     timing = {}
+    if args.smoke:
+        rows.pop("naive pipeline (argsort+gather+3x torch._grouped_mm+index_add)")
     for name, layer in rows.items():
         def step(layer=layer, name=name):
             for p in params + hf_params.get(name, []):

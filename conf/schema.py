@@ -111,6 +111,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
     pp_virtual_stages: int = 1  # >1 only with interleaved
     microbatches: int = 1  # PP micro-batches per step
+    # layers per model chunk (pp * pp_virtual_stages entries); empty: balanced by pp_balance
+    pp_split: list[int] = field(default_factory=list)
+    pp_balance: str = "params"  # params (embedding / head count on the first / last chunk) | layers
 
     def __post_init__(self) -> None:
         for key in ("dp", "ep", "pp", "pp_virtual_stages", "microbatches"):
@@ -118,6 +121,11 @@ class ParallelConfig:
             _require(value >= 1, f"parallel.{key}", f"got {value}", "use a positive integer")
         _one_of(self.optimizer_sharding, ("none", "zero1", "epso"), "parallel.optimizer_sharding")
         _one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
+        _one_of(self.pp_balance, ("params", "layers"), "parallel.pp_balance")
+        if self.pp_split:
+            _require(len(self.pp_split) == self.pp * self.pp_virtual_stages, "parallel.pp_split",
+                     f"{len(self.pp_split)} entries for pp*pp_virtual_stages = {self.pp * self.pp_virtual_stages} chunks",
+                     "give one layer count per chunk, or leave it empty to balance")
 
     @property
     def world_size(self) -> int:
@@ -167,6 +175,8 @@ class TrainConfig:
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
     compile: bool = False
     tensorboard: bool = False
+    trackio: bool = False  # mirror the TensorBoard scalars to trackio (needs the trackio package)
+    peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU (0: no MFU); keep real values in conf/cluster/*.yaml
     progress: bool = True
     step_sleep_s: float = 0.0  # slows the demo/tests down so faults can be injected mid-run
     fault_injection: FaultInjection = field(default_factory=FaultInjection)

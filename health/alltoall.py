@@ -75,8 +75,9 @@ def chunk_elems(nbytes: int, world: int) -> int:
 
 def pattern(src: int, dst: int, n: int, device: torch.device) -> torch.Tensor:
     """What rank `src` sends to rank `dst` (n elements)."""
-    i_N = torch.arange(n, device=device, dtype=torch.int64)
-    return ((i_N * 31 + src * 1009 + dst * 7) % _PATTERN_MOD).to(torch.float32)
+    # int32 keeps the temporaries of an 8 GiB buffer at half the size; every intermediate stays below 2^22
+    i_N = torch.arange(n, device=device, dtype=torch.int32 if n < 2**31 else torch.int64) % _PATTERN_MOD
+    return ((i_N * 31 + (src * 1009 + dst * 7) % _PATTERN_MOD) % _PATTERN_MOD).to(torch.float32)
 
 
 def count_wrong(recv_WN: torch.Tensor, me: int) -> int:
@@ -104,6 +105,7 @@ def measure_size(
     times = []
     for _ in range(iters):
         dist.barrier(group=group)
+        _sync(device)
         t0 = time.perf_counter()
         if delay_s > 0:
             time.sleep(delay_s)  # fault injection: a slow node, inside the timed region
@@ -120,7 +122,8 @@ def measure_size(
 
 def format_table(rows: list[A2ARow]) -> str:
     lines = [f"{'size (B)':>14} {'time (ms)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13} {'#wrong':>7}"]
-    lines += [f"{r.bytes:>14} {r.time_s * 1e3:>11.3f} {r.algbw_gbs:>13.3f} {r.busbw_gbs:>13.3f} {r.wrong:>7}" for r in rows]
+    lines += [f"{r.bytes:>14} {r.time_s * 1e3:>11.3f} {r.algbw_gbs:>13.3f} {r.busbw_gbs:>13.3f} {r.wrong:>7}"
+              for r in rows]
     return "\n".join(lines)
 
 

@@ -22,15 +22,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
+from moe_launch.conf.presets import CLUSTERS
+from moe_launch.conf.schema import ClusterConfig, HealthConfig
+from moe_launch.health import report, store
+from moe_launch.health.preflight import PreflightResult, run_preflight
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from moe_launch.conf.presets import CLUSTERS
-from moe_launch.conf.schema import ClusterConfig, HealthConfig
 from moe_launch.errors import ConfigError, MoeLaunchError
-from moe_launch.health import report, store
-from moe_launch.health.preflight import PreflightResult, run_preflight
 
 
 def expand_nodes(spec: str) -> list[str]:
@@ -60,7 +60,8 @@ def parse_since(text: Optional[str], now: Optional[float] = None) -> Optional[fl
         raise ConfigError("--since", f"cannot read {text!r}", "use e.g. 24h, 7d, 30m or 2026-11-30T12:00") from None
 
 
-def load_configs(config: Optional[str], cluster_preset: str, overrides: list[str]) -> tuple[HealthConfig, ClusterConfig]:
+def load_configs(config: Optional[str], cluster_preset: str,
+                 overrides: list[str]) -> tuple[HealthConfig, ClusterConfig]:
     if cluster_preset not in CLUSTERS:
         raise ConfigError("--cluster", f"unknown preset {cluster_preset!r}", f"use one of {', '.join(CLUSTERS)}")
     health = OmegaConf.structured(HealthConfig)
@@ -107,11 +108,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     for sp in sub.choices.values():
         sp.add_argument("--config", default=None, help="a resolved run config.yaml to take health/cluster from")
         sp.add_argument("--cluster", default="slurm", help=f"cluster preset: {', '.join(CLUSTERS)}")
-        sp.add_argument("overrides", nargs="*", help="health.* / cluster.* key=value overrides")
-    a = p.parse_args(argv)
+        sp.epilog = "Any further key=value arguments override health.* / cluster.* settings."
+    # key=value overrides may come anywhere (after a positional NODE too), so they are collected as the extras
+    a, extras = p.parse_known_args(argv)
+    bad = [x for x in extras if "=" not in x or x.startswith("-")]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)}")
     console = Console()
     try:
-        health, cluster = load_configs(a.config, a.cluster, a.overrides)
+        health, cluster = load_configs(a.config, a.cluster, extras)
         cdir = store.cluster_dir(health, cluster.name)
         if a.cmd in ("preflight", "baseline"):
             nodes = expand_nodes(a.nodes)
@@ -123,7 +128,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if result.alltoall:
                 console.print(f"all-to-all over {len(result.alltoall['nodes'])} nodes: {result.alltoall['status']}")
             if result.isolation:
-                console.print(f"isolation: bad={result.isolation['bad']} inconclusive={result.isolation['inconclusive']}")
+                iso = result.isolation
+                console.print(f"isolation: bad={iso['bad']} inconclusive={iso['inconclusive']}")
             console.print(f"results: {result.out_dir}/preflight.json")
             return 0 if result.ok else 1
         if a.cmd == "report":

@@ -161,8 +161,8 @@ def result_from_output(node: str, stdout: str, returncode: int, raw_path: Option
         report = parse_dcgm_json(stdout)
     except DcgmParseError as e:
         tail = stdout.strip()[-300:]
-        return CheckResult(node, CHECK_DCGM, "fail", reasons=[f"dcgm output unreadable ({e}), exit {returncode}: {tail}"],
-                           details=details)
+        why = f"dcgm output unreadable ({e}), exit {returncode}: {tail}"
+        return CheckResult(node, CHECK_DCGM, "fail", reasons=[why], details=details)
     status, reasons = judge(report)
     if status == "pass" and returncode != 0:
         # dcgmi disagrees with its own document: trust the exit code, keep the document for a human

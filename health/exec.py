@@ -59,7 +59,8 @@ def srun_argv(cluster: ClusterConfig, nodes: list[str], tasks_per_node: int, tim
     """Pure: the srun prefix that runs `tasks_per_node` tasks on each of `nodes`."""
     argv = [
         "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
-        f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}", f"--cpus-per-task={cluster.cpus_per_task}",
+        f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}",
+        f"--cpus-per-task={cluster.cpus_per_task}",
         "--kill-on-bad-exit=1", "--job-name=moe-health", "--export=ALL",
     ]
     if inside_allocation:

@@ -52,7 +52,8 @@ def known_operands(size: int, device: torch.device, dtype: torch.dtype) -> tuple
     return a_MK.to(device=device, dtype=dtype), b_KN.to(device=device, dtype=dtype)
 
 
-def verify_product(a_MK: torch.Tensor, b_KN: torch.Tensor, c_MN: torch.Tensor, sample_rows: int = 64) -> tuple[float, float]:
+def verify_product(a_MK: torch.Tensor, b_KN: torch.Tensor, c_MN: torch.Tensor,
+                   sample_rows: int = 64) -> tuple[float, float]:
     """(max relative error on sampled rows vs fp64, relative error of the column-sum checksum)."""
     m = a_MK.shape[0]
     rows = torch.linspace(0, m - 1, min(sample_rows, m)).long().to(a_MK.device)
@@ -81,7 +82,8 @@ def memory_fill(device: torch.device, fraction: float = 0.85) -> tuple[float, li
     return nbytes / 2**30, ([f"memory read-back: {bad} bytes differ"] if bad else [])
 
 
-def compute_check(device: torch.device, size: int = 0, iters: int = 10, dtype: torch.dtype = torch.bfloat16) -> ComputeOutcome:
+def compute_check(device: torch.device, size: int = 0, iters: int = 10,
+                  dtype: torch.dtype = torch.bfloat16) -> ComputeOutcome:
     size = size or (GPU_SIZE if device.type == "cuda" else CPU_SIZE)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     a_MK, b_KN = known_operands(size, device, dtype)

@@ -27,6 +27,7 @@ from moe_launch.health.alltoall import A2ARow, default_max_bytes, size_ladder
 from moe_launch.health.exec import TaskOutcome, python_exe, run_per_node, run_ranks
 from moe_launch.health.isolate import GroupMeasurement, IsolationResult, isolate
 from moe_launch.health.result import CHECK_ALLTOALL, CHECK_COMPUTE, CHECK_ISOLATION, CHECK_TASK, CheckResult
+
 from moe_launch.rundir import write_json_atomic
 
 
@@ -129,7 +130,8 @@ def run_alltoall(nodes: list[str], sizes: list[int], cfg: HealthConfig, cluster:
     out = work / "alltoall" / f"{label}.json"
     argv = [python_exe(cluster), "-m", "moe_launch.health.alltoall", "--out", str(out),
             "--sizes", ",".join(map(str, sizes)), "--iters", str(cfg.alltoall.iters),
-            "--delay-json", json.dumps(cfg.inject_delay), "--timeout-s", str(cfg.alltoall.timeout_s)]
+            "--delay-json", json.dumps(cfg.inject_delay), "--timeout-s", str(cfg.alltoall.timeout_s),
+            "--backend", _backend(cluster)]
     outcome = run_ranks(nodes, cluster.tasks_per_node, argv, cluster, cfg.alltoall.timeout_s + 60)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".log").write_text(outcome.stdout + outcome.stderr)
@@ -139,8 +141,13 @@ def run_alltoall(nodes: list[str], sizes: list[int], cfg: HealthConfig, cluster:
     return A2ARun(nodes, sizes, [A2ARow(**row) for row in record["rows"]], record["backend"], outcome)
 
 
+def _backend(cluster: ClusterConfig) -> str:
+    # local "nodes" share one machine's devices, so only Slurm GPU nodes get one NCCL rank per GPU
+    return "nccl" if cluster.kind == "slurm" and cluster.gpus_per_node > 0 else "gloo"
+
+
 def _sizes(cfg: HealthConfig, cluster: ClusterConfig) -> list[int]:
-    on_gpu = cluster.gpus_per_node > 0
+    on_gpu = _backend(cluster) == "nccl"
     return size_ladder(cfg.alltoall.min_bytes, default_max_bytes(cfg.alltoall.max_bytes, on_gpu))
 
 

@@ -12,13 +12,13 @@ import io
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
-from rich.table import Table
-
 from moe_launch.health.result import CHECK_ALLTOALL
 from moe_launch.health.store import NODE_CHECKS
+from rich.table import Table
 
 _SPARK = "▁▂▃▄▅▆▇█"
 _STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "unavailable": "dim"}
@@ -80,10 +80,10 @@ def a2a_series(history: list[dict[str, Any]], since: Optional[float]) -> dict[in
 
 
 def failures_per_node(history: list[dict[str, Any]], since: Optional[float]) -> dict[str, int]:
-    counts: dict[str, int] = defaultdict(int)
+    counts: dict[str, int] = {rec["node"]: 0 for rec in history if rec["check"] in NODE_CHECKS}
     for rec in history:
         if rec["status"] == "fail" and rec["check"] in NODE_CHECKS and (since is None or rec.get("time", 0) >= since):
-            counts[rec["node"]] += 1
+            counts[rec["node"]] = counts.get(rec["node"], 0) + 1
     return dict(sorted(counts.items()))
 
 
@@ -115,16 +115,18 @@ def plots(history: list[dict[str, Any]], since: Optional[float]) -> dict[str, st
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.dates
     import matplotlib.pyplot as plt
 
     out = {}
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for n, points in a2a_series(history, since).items():
-        ax.plot([time.strftime("%m-%d %H:%M", time.localtime(t)) for t, _ in points], [v for _, v in points],
-                marker="o", label=f"{n} nodes")
+        ax.plot([datetime.fromtimestamp(t) for t, _ in points], [v for _, v in points], marker="o",
+                label=f"{n} nodes")
     ax.set_ylabel("all-to-all busbw (GB/s)")
     ax.set_title("All-to-all bandwidth per node count")
     ax.tick_params(axis="x", rotation=30, labelsize=7)
+    ax.xaxis.set_major_formatter(matplotlib.dates.DateFormatter("%m-%d %H:%M"))
     if ax.lines:
         ax.legend()
     out["bandwidth"] = _png_b64(fig)
@@ -153,8 +155,9 @@ def html_report(summaries: list[NodeSummary], checks: list[str], images: dict[st
 <html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
 <style>
 body {{ font-family: sans-serif; margin: 2em; }} table {{ border-collapse: collapse; }}
-td, th {{ border: 1px solid #ccc; padding: 4px 8px; }} .pass {{ color: #1e8449; }} .fail {{ color: #c0392b; font-weight: bold; }}
-.warn {{ color: #b9770e; }} .unavailable {{ color: #888; }} figure {{ display: inline-block; margin: 1em; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 8px; }} .pass {{ color: #1e8449; }}
+.fail {{ color: #c0392b; font-weight: bold; }} .warn {{ color: #b9770e; }} .unavailable {{ color: #888; }}
+figure {{ display: inline-block; margin: 1em; }}
 </style></head>
 <body><h1>{esc(title)}</h1>
 <table id="nodes"><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>

@@ -101,9 +101,12 @@ def grouped_mm_triton(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E, offsets
     if N == 0 or E == 0:
         return c_NM
     cuda = a_NK.is_cuda
-    BM, BN, BK = (64, _tile(M, 128), _tile(K, 64)) if cuda else (_tile(N, 256), _tile(M, 256), _tile(K, 256))
+    BM, BN, BK = (64, _tile(M, 128), _tile(K, 64)) if cuda else (_tile(N, 1024), _tile(M, 256), _tile(K, 256))
     tile_ends_E = torch.cumsum((counts_E + (BM - 1)) // BM, 0, dtype=torch.int32)
-    grid = (triton.cdiv(N, BM) + E, triton.cdiv(M, BN))
+    # On a GPU the grid is an upper bound (reading the exact tile count would be a host sync); on the CPU the count
+    # is already on the host and the interpreter pays for every program, dead ones included.
+    m_tiles = triton.cdiv(N, BM) + E if cuda else int(tile_ends_E[-1])
+    grid = (m_tiles, triton.cdiv(M, BN))
     launch(_gmm_kernel, grid, a_NK, b_EKM, c_NM, offsets_E1, tile_ends_E, E, M, K,
            a_NK.stride(0), a_NK.stride(1), *b_EKM.stride(), c_NM.stride(0), c_NM.stride(1),
            BM=BM, BN=BN, BK=BK, E_PAD=next_pow2(E), IEEE=a_NK.dtype == torch.float32)
@@ -117,7 +120,7 @@ def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: 
     if E == 0:
         return c_EMK
     cuda = a_NM.is_cuda
-    BM, BN, BR = (_tile(M, 64), _tile(K, 64), 64) if cuda else (_tile(M, 256), _tile(K, 256), 256)
+    BM, BN, BR = (_tile(M, 64), _tile(K, 64), 64) if cuda else (_tile(M, 256), _tile(K, 256), 1024)
     grid = (E, triton.cdiv(M, BM), triton.cdiv(K, BN))
     launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
            b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=BM, BN=BN, BR=BR, IEEE=a_NM.dtype == torch.float32)

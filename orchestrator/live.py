@@ -135,7 +135,7 @@ class LiveView:
             self.live.update(render(s))
         else:
             for rec in s.journal[self.printed:]:
-                self.console.print(describe(rec), markup=False, highlight=False)
+                self.console.print(describe(rec), markup=False, highlight=False, soft_wrap=True)
             self.printed = len(s.journal)
         return s
 

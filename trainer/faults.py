@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-
 from moe_launch.conf.schema import FaultInjection
+
 from moe_launch.rundir import RunDir, write_json_atomic
 
 
@@ -48,9 +48,9 @@ def local_fault(loss: float, grads: list[torch.Tensor]) -> Optional[str]:
     if not math.isfinite(loss):
         return f"non-finite loss {loss}"
     if grads:
-        sq = torch.stack([g.detach().float().square().sum() for g in grads]).sum().item()
-        if not math.isfinite(sq):
-            return f"non-finite local gradient norm ({math.sqrt(sq) if sq == sq else sq})"
+        norm = float(torch.nn.utils.get_total_norm([g.detach() for g in grads]))  # fused per-tensor norms
+        if not math.isfinite(norm):
+            return f"non-finite local gradient norm ({norm})"
     return None
 
 

@@ -20,15 +20,13 @@ from dataclasses import asdict
 from typing import Optional
 
 import torch
-
 from moe_launch.conf.schema import RootConfig
-from moe_launch.errors import CheckpointError, ConfigError
-from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
 from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
 from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.interop.hf import hf_path, load_hf_into_model
 from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.optim import clip_norm_at, lr_at
@@ -36,6 +34,10 @@ from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
+from moe_launch.trainer.recompute import apply_recompute
+
+from moe_launch.errors import CheckpointError, ConfigError
+from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
@@ -67,6 +69,9 @@ class Trainer:
                              is_moe=cfg.model.kind == "moe")
         set_determinism(t.deterministic, device)
         self.dtype = compute_dtype(t.dtype, device)
+        if p.pp > 1:
+            raise ConfigError("parallel.pp", f"got {p.pp}: this Trainer drives pp=1 (trainer/pipeline/ runs the "
+                              "pipelined step but is not wired into the loop yet)", "use parallel.pp=1")
         per_pass = self.groups.data_size * t.micro_batch_size
         if t.global_batch_size % per_pass:
             raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not a multiple of data ranks "
@@ -78,6 +83,8 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
         attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
+        if t.recompute:
+            apply_recompute(self.model, t.recompute)
         self.loader = self._open_data()
         self.resume = self._choose_resume()
         self.start_step = self._load_model()
@@ -132,9 +139,13 @@ class Trainer:
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
                               fresh_optimizer=True, step=0, attempt=self.attempt)
-        elif init_from is not None:
-            raise ConfigError("model.init_from", f"{init_from!r}: HF import is not part of the trainer core",
-                              "convert the HF model to a model-step-N checkpoint and use ckpt:/path")
+        elif init_from is not None:  # hf:/path, an OLMoE-format save_pretrained directory
+            if self.groups.dp_rank == 0:
+                load_hf_into_model(self.model, hf_path(init_from), self.groups.ep_rank, self.groups.ep_size)
+            broadcast_model(self.model, self.groups)
+            if self.rank == 0:
+                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=init_from, model_only=True,
+                              fresh_optimizer=True, step=0, attempt=self.attempt)
         return 0
 
     def _load_and_broadcast(self, path) -> None:
@@ -157,7 +168,9 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGUSR2, signal.SIGTERM):
                 signal.signal(sig, self._request_stop)
-        sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress) if self.rank == 0 else None
+        sink = None
+        if self.rank == 0:
+            sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress)
         try:
             for step in range(self.start_step, t.steps):
                 code = self._step(step, sink)
@@ -239,12 +252,14 @@ class Trainer:
         n_layers = len(per_layer[0].aux_per_layer)
         counts = [sum(p.counts_per_layer[i] for p in per_layer) for i in range(n_layers)]
         load_max, load_mean = load_summary(counts)
+        def layer_mean(key: str) -> list[float]:
+            return [float(sum(getattr(p, key)[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)]
+
         return {
             "step": done, "loss": loss, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": grad_norm,
             "lr": lr, "tokens_per_s": t.global_batch_size * t.seq_len / dt, "expert_load_max": load_max,
             "expert_load_mean": load_mean, "time": time.time(),
-            "aux_per_layer": [float(sum(p.aux_per_layer[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)],
-            "z_per_layer": [float(sum(p.z_per_layer[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)],
+            "aux_per_layer": layer_mean("aux_per_layer"), "z_per_layer": layer_mean("z_per_layer"),
         }
 
     def _fault(self, done: int, faulty: list[int], what: Optional[str]) -> int:

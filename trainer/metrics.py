@@ -9,18 +9,24 @@ perfect balance; the max and the mean over layers), time (unix seconds), plus au
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Optional
 
-from moe_launch.errors import ConfigError
-from moe_launch.rundir import RunDir, append_jsonl, write_json_atomic
 from moe_launch.trainer.moe.losses import load_imbalance
+
+from moe_launch.errors import ConfigError
+from moe_launch.rundir import RunDir, append_jsonl
 
 
 def write_heartbeat(run_dir: RunDir, rank: int, step: int, host: str) -> None:
-    write_json_atomic(run_dir.heartbeat / f"rank{rank}.json",
-                      {"step": step, "time": time.time(), "host": host, "pid": os.getpid()})
+    """Whole-file replace without fsync: readers need an untorn file, not durability, and an fsync per step
+    costs more than a tiny model's step on a busy disk."""
+    path = run_dir.heartbeat / f"rank{rank}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"step": step, "time": time.time(), "host": host, "pid": os.getpid()}))
+    os.replace(tmp, path)
 
 
 class MetricsSink:

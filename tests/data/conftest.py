@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from data_helpers import TINY_VOCAB, copy_small_corpus, small_spec
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moe_launch.trainer.data.corpus import stdlib_dir
-from moe_launch.trainer.data.prepare import PrepareSpec, prepare
+from moe_launch.trainer.data.prepare import prepare
 from moe_launch.trainer.data.tokenizer import EOS
-
-SMALL_MODULES = ("json/decoder.py", "json/encoder.py", "json/scanner.py", "json/tool.py", "textwrap.py", "bisect.py",
-                 "colorsys.py", "keyword.py")
-TINY_VOCAB = 320
-
-
-def copy_small_corpus(target: Path) -> Path:
-    target.mkdir(parents=True, exist_ok=True)
-    for rel in SMALL_MODULES:
-        shutil.copy(stdlib_dir() / rel, target / rel.replace("/", "_"))
-    return target
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +29,6 @@ def tiny_tokenizer(small_corpus, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
-
-
-def small_spec(corpus: Path, tokenizer: Path, output: Path, **overrides) -> PrepareSpec:
-    base = dict(inputs=(str(corpus),), output=str(output), tokenizer=str(tokenizer), seq_len=32, shard_size=50,
-                workers=1, parts=4, seed=3, progress=False)
-    base.update(overrides)
-    return PrepareSpec(**base)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import TINY_VOCAB
+from data_helpers import TINY_VOCAB
 
 from moe_launch.conf.schema import DataConfig
 from moe_launch.errors import DataError
@@ -34,8 +34,7 @@ def test_corpus_is_deterministic_and_capped(tmp_path):
 
 
 _RESOLVE = textwrap.dedent("""
-    import sys, torch
-    torch.set_num_threads(1)
+    import sys
     from moe_launch.conf.schema import DataConfig
     from moe_launch.trainer.data.builtin import resolve_dataset
     cfg = DataConfig(cache_dir=sys.argv[1], workers=1, shard_size=64)

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB
+from data_helpers import TINY_VOCAB
 
 from moe_launch.errors import DataError
 from moe_launch.trainer.data.loader import TokenLoader

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY_VOCAB, small_spec
+from data_helpers import TINY_VOCAB, small_spec
 
 from moe_launch.errors import DataError
 from moe_launch.trainer.data.prepare import (
@@ -155,3 +157,43 @@ def test_cli_prepare_and_errors(tmp_path, small_corpus, tiny_tokenizer):
     bad_cmd = cmd[:5] + [str(tmp_path / "none")] + cmd[6:7] + [str(tmp_path / "other")] + cmd[8:]
     bad = subprocess.run(bad_cmd, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no files found" in bad.stderr
+
+
+@pytest.mark.slurm
+def test_slurm_array_matches_local(slurm_cluster, small_dataset, small_corpus, tiny_tokenizer, tmp_path):
+    """The same parts tokenized by a Slurm job array (submitit) give the same dataset as local processes."""
+    out = tmp_path / "slurm"
+    summary = prepare(small_spec(small_corpus, tiny_tokenizer, out, workers=2, cluster="slurm", slurm_time_min=5))
+    assert (summary["parts_run"], summary["parts_skipped"]) == (4, 0)
+    hosts = {json.loads(p.read_text())["host"] for p in (out / "completions").iterdir()}
+    assert hosts <= set(slurm_cluster.nodes)
+    assert np.array_equal(_all_rows(out), _all_rows(small_dataset))
+
+
+def test_killed_run_resumes_from_markers(small_corpus, tiny_tokenizer, tmp_path):
+    """SIGKILL `moe-data prepare` once some parts are marked done; the rerun skips exactly those parts."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for copy in range(4):  # 32 files, 16 parts: the run is still tokenizing when the first marker appears
+        for p in sorted(small_corpus.iterdir()):
+            (corpus / f"{copy}_{p.name}").write_text(p.read_text())
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "moe_launch.trainer.data.cli", "prepare", "--input", str(corpus), "--output",
+           str(out), "--tokenizer", str(tiny_tokenizer), "--seq-len", "32", "--shard-size", "50", "--workers", "1",
+           "--parts", "16", "--seed", "3", "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    markers = out / "completions"
+    try:
+        while proc.poll() is None and not (markers.is_dir() and any(markers.glob("part-*.json"))):
+            time.sleep(0.002)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert not (out / "index.json").exists(), "the run finished before it could be killed"
+    done_before = len(list(markers.glob("part-*.json")))
+    assert 1 <= done_before < 16
+    summary = prepare(small_spec(corpus, tiny_tokenizer, out, workers=2, parts=16))
+    assert (summary["parts_skipped"], summary["parts_run"]) == (done_before, 16 - done_before)
+    assert not list(out.glob(".*.tmp.*")) and not list(out.glob("parts/.*.tmp.*"))
+    prepare(small_spec(corpus, tiny_tokenizer, tmp_path / "clean", workers=1, parts=16))
+    assert np.array_equal(_all_rows(out), _all_rows(tmp_path / "clean"))

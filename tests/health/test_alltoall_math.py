@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from moe_launch.health import baselines
 from moe_launch.health.alltoall import (
     A2ARow,

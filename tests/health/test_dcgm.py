@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from moe_launch.conf.schema import DcgmConfig
 from moe_launch.health.dcgm import (
     DATA_DIR,
@@ -74,7 +73,8 @@ def test_preamble_nulls_and_dcgm4_shape():
     assert [(r.gpus, r.status) for r in report.results] == [("0", "pass"), ("1", "fail")]
 
 
-@pytest.mark.parametrize("text", ["", "dcgmi: Error connecting to host engine", '{"DCGM GPU Diagnostic": {}}', "{oops}"])
+@pytest.mark.parametrize(
+    "text", ["", "dcgmi: Error connecting to host engine", '{"DCGM GPU Diagnostic": {}}', "{oops}"])
 def test_unreadable_output_fails_never_passes(text):
     if text.startswith('{"DCGM'):
         with pytest.raises(DcgmParseError):

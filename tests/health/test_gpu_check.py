@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from moe_launch.health.gpu_check import compute_check, known_operands, verify_product
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from moe_launch.conf.schema import AllToAllConfig, ClusterConfig, DcgmConfig, HealthConfig
 from moe_launch.health import store
 from moe_launch.health.dcgm import DCGMI_DIR_ENV
@@ -49,6 +51,7 @@ def test_healthy_then_dcgm_failure_on_one_node(tmp_path, monkeypatch):
     assert [h["node"] for h in history if h["status"] == "fail"] == ["local3"]
 
 
+@pytest.mark.slow  # ~45 s: six all-to-all runs; the Slurm test covers the same path on real srun
 def test_delay_on_one_node_is_isolated(tmp_path):
     cluster = ClusterConfig(kind="local", name="t-local")
     base = _cfg(tmp_path, gpu_check=False, dcgm=DcgmConfig(enabled=False))
@@ -59,3 +62,24 @@ def test_delay_on_one_node_is_isolated(tmp_path):
     assert result.isolation["bad"] == ["local2"], result.isolation
     assert result.healthy == ["local1", "local3", "local4"] and list(result.failed) == ["local2"]
     assert len(result.isolation["tests"]) <= 5
+
+
+def test_repeated_failures_quarantine_a_node_until_released(tmp_path, monkeypatch):
+    cluster = ClusterConfig(kind="local", name="t-q")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.setenv(DCGMI_DIR_ENV, str(tmp_path / "doubles"))
+    install_double(tmp_path / "doubles", "local2", "dcgm_fail_memory.json", returncode=226)
+    cfg = _cfg(tmp_path, gpu_check=False, quarantine_failures=2)
+    cfg.alltoall.enabled = False
+    nodes = ["local1", "local2"]
+    for run in ("q1", "q2"):
+        r = run_preflight(nodes, cfg, cluster, tmp_path / "health", run)
+        assert list(r.failed) == ["local2"] and r.quarantined == []
+    cdir = store.cluster_dir(cfg, "t-q")
+    assert store.quarantined_nodes(cdir)["local2"]["failures"] == 2
+    held = run_preflight(nodes, cfg, cluster, tmp_path / "health", "q3")
+    assert held.quarantined == ["local2"] and "moe-health release local2" in held.failed["local2"][0]
+    assert [r.node for r in held.results] == ["local1"]  # a quarantined node is not even tested
+    store.release(cdir, "local2")
+    install_double(tmp_path / "doubles", "local2", "dcgm_pass.json")
+    assert run_preflight(nodes, cfg, cluster, tmp_path / "health", "q4").healthy == nodes

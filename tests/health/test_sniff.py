@@ -9,7 +9,6 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from moe_launch.health.sniff import AllToAllSniffer, find_stragglers
 
 

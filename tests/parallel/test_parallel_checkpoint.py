@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from par_harness import run_workers
 from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
 
 from moe_launch.trainer.checkpoint import layout
@@ -65,8 +64,8 @@ def _resume_worker(rank: int, world: int, tmp: str, strategy: str, dispatcher: s
 
 
 @pytest.mark.parametrize("strategy,dispatcher", [("epso", "alltoall"), ("zero1", "allgather")])
-def test_resume_at_dp2_ep2_is_bitwise_equal_to_not_stopping(tmp_path, strategy, dispatcher):
-    for r in run_workers(_resume_worker, 4, str(tmp_path), strategy, dispatcher):
+def test_resume_at_dp2_ep2_is_bitwise_equal_to_not_stopping(rank_pool, tmp_path, strategy, dispatcher):
+    for r in rank_pool.run(_resume_worker, 4, str(tmp_path), strategy, dispatcher):
         assert r["resumed"] == r["straight"]  # exact float equality of every step's loss
         for name, p in r["uninterrupted"].items():
             assert torch.equal(r["final"][name], p), name
@@ -99,10 +98,10 @@ def _reshard_worker(rank: int, world: int, tmp: str, saved_strategy: str, new_st
 
 
 @pytest.mark.parametrize("saved_strategy,new_strategy", [("epso", "zero1"), ("zero1", "epso")])
-def test_checkpoint_from_dp2_ep2_loads_at_dp1_ep2(tmp_path, saved_strategy, new_strategy):
+def test_checkpoint_from_dp2_ep2_loads_at_dp1_ep2(rank_pool, tmp_path, saved_strategy, new_strategy):
     reference = reference_run(STEPS)
-    run_workers(_save_worker, 4, str(tmp_path), saved_strategy)
-    results = run_workers(_reshard_worker, 2, str(tmp_path), saved_strategy, new_strategy)
+    rank_pool.run(_save_worker, 4, str(tmp_path), saved_strategy)
+    results = rank_pool.run(_reshard_worker, 2, str(tmp_path), saved_strategy, new_strategy)
     for r in results:
         accum = MICRO_BATCHES // 2
         expected = [sum(step[r["data_rank"] * accum : (r["data_rank"] + 1) * accum]) / accum

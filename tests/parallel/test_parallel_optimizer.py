@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from par_harness import run_workers
 from torch import nn
 
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
@@ -99,13 +98,13 @@ def test_replicated_single_process_is_torch_adamw_bitwise():
 
 
 @pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4)])
-def test_sharded_strategies_on_four_ranks_equal_one_process(dp, ep):
+def test_sharded_strategies_on_four_ranks_equal_one_process(rank_pool, dp, ep):
     ref_params, ref_norms = _reference(data_size=dp * ep)
     e_local = E_GLOBAL // ep
     dense = 7 * 5 + 5  # two buckets: 35 (decay) + 5 (no decay)
     expert_local = e_local * 3 * 5
     for strategy in ("none", "zero1", "epso"):
-        results = run_workers(_optimizer_worker, 4, dp, ep, strategy)
+        results = rank_pool.run(_optimizer_worker, 4, dp, ep, strategy)
         for r in results:
             assert r["norms"] == pytest.approx(ref_norms, rel=1e-6), strategy
             sl = slice(r["ep_rank"] * e_local, (r["ep_rank"] + 1) * e_local)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from par_harness import run_workers
 from par_training import parallel_run, reference_run
 
 STEPS = 5
@@ -23,8 +22,8 @@ def reference():
 
 
 @pytest.mark.parametrize("dp,ep", LAYOUTS)
-def test_dp_ep_training_equals_single_process(reference, dp, ep):
-    results = run_workers(_all_variants_worker, 4, dp, ep)
+def test_dp_ep_training_equals_single_process(rank_pool, reference, dp, ep):
+    results = rank_pool.run(_all_variants_worker, 4, dp, ep)
     for variant in VARIANTS:
         for r in results:
             out = r[variant]

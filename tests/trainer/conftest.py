@@ -9,12 +9,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from helpers_net import free_port
 from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import (
-    ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig, RootConfig, TrainConfig,
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RootConfig,
+    TrainConfig,
 )
+
 from moe_launch.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]

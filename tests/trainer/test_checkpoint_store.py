@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from moe_launch.trainer.checkpoint.store import (
-    MANIFEST, choose_resume_slot, load_file, next_slot, read_manifest, verify, write_checkpoint,
+    MANIFEST,
+    choose_resume_slot,
+    load_file,
+    next_slot,
+    read_manifest,
+    verify,
+    write_checkpoint,
 )
 from moe_launch.trainer.dist import Comm
 

@@ -15,7 +15,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from moe_launch.conf.schema import DataConfig
 from moe_launch.errors import DataError
@@ -76,6 +76,35 @@ def prepare_builtin(
     return summary
 
 
+def build_builtin(
+    data_cfg: DataConfig,
+    seq_len: int,
+    vocab_size: int,
+    *,
+    corpus_bytes: int = BUILTIN_CORPUS_BYTES,
+    cluster: str = "local",
+    progress: bool = False,
+) -> tuple[Path, Optional[dict[str, Any]]]:
+    """The built-in dataset's directory in data.cache_dir, built if missing; the summary when this call built it."""
+    cache = Path(data_cfg.cache_dir).expanduser()
+    key = builtin_key(vocab_size, seq_len, data_cfg.seed, data_cfg.tokenizer, corpus_bytes)
+    final = cache / f"builtin-{key}"
+    summary = None
+    if not (final / INDEX_NAME).exists():
+        with _exclusive(cache / f".builtin-{key}.lock"):
+            if not (final / INDEX_NAME).exists():  # another process may have built it while we waited
+                # a fixed work dir: a build killed half-way resumes from its completion markers
+                work = cache / f".builtin-{key}.work"
+                summary = prepare_builtin(
+                    work, seq_len=seq_len, vocab_size=vocab_size, seed=data_cfg.seed, tokenizer=data_cfg.tokenizer,
+                    shard_size=data_cfg.shard_size, workers=data_cfg.workers, cache_dir=str(cache),
+                    corpus_bytes=corpus_bytes, cluster=cluster, progress=progress,
+                )
+                os.replace(work, final)  # atomic: readers never see a half-written dataset
+                summary["output"] = str(final)
+    return final, summary
+
+
 def resolve_dataset(
     data_cfg: DataConfig,
     seq_len: int,
@@ -91,19 +120,6 @@ def resolve_dataset(
         return path
     if data_cfg.format != "npy":
         raise DataError("data.format=megatron needs data.path (the .bin/.idx prefix); set it or use data.format=npy")
-    cache = Path(data_cfg.cache_dir).expanduser()
-    key = builtin_key(vocab_size, seq_len, data_cfg.seed, data_cfg.tokenizer, corpus_bytes)
-    final = cache / f"builtin-{key}"
-    if not (final / INDEX_NAME).exists():
-        with _exclusive(cache / f".builtin-{key}.lock"):
-            if not (final / INDEX_NAME).exists():  # another process may have built it while we waited
-                # a fixed work dir: a build killed half-way resumes from its completion markers
-                work = cache / f".builtin-{key}.work"
-                prepare_builtin(
-                    work, seq_len=seq_len, vocab_size=vocab_size, seed=data_cfg.seed, tokenizer=data_cfg.tokenizer,
-                    shard_size=data_cfg.shard_size, workers=data_cfg.workers, cache_dir=str(cache),
-                    corpus_bytes=corpus_bytes, progress=progress,
-                )
-                os.replace(work, final)  # atomic: readers never see a half-written dataset
-    open_dataset(final, "npy", seq_len, vocab_size)
-    return final
+    path, _summary = build_builtin(data_cfg, seq_len, vocab_size, corpus_bytes=corpus_bytes, progress=progress)
+    open_dataset(path, "npy", seq_len, vocab_size)
+    return path

@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="tokenize text into shuffled .npy shards + index.json")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", action="append", help="directory (recursive) or glob; .jsonl lines need a \"text\" field")
+    src.add_argument("--input", action="append", help='directory (recursive) or glob; .jsonl needs a "text" field')
     src.add_argument("--builtin", action="store_true", help="the built-in corpus (Python standard library sources)")
     p.add_argument("--output", help="output directory (default for --builtin: the data.cache_dir entry)")
     p.add_argument("--tokenizer", default="builtin", help="builtin or a HF tokenizer.json (default: builtin)")
@@ -48,17 +48,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _prepare(args: argparse.Namespace) -> dict:
-    from moe_launch.trainer.data.builtin import builtin_key, prepare_builtin
+    from moe_launch.conf.schema import DataConfig
+    from moe_launch.trainer.data.builtin import build_builtin, prepare_builtin
     from moe_launch.trainer.data.prepare import PrepareSpec, prepare
+    from moe_launch.trainer.data.shards import read_index
 
     progress = not args.no_progress
+    if args.builtin and args.output is None:
+        # the very entry resolve_dataset uses (same key, same lock), so a trainer finds it prepared
+        cfg = DataConfig(tokenizer=args.tokenizer, cache_dir=args.cache_dir, shard_size=args.shard_size,
+                         workers=args.workers, seed=args.seed)
+        path, summary = build_builtin(cfg, args.seq_len, args.vocab_size, cluster=args.cluster, progress=progress)
+        if summary is None:
+            summary = {"output": str(path), "instances": read_index(path).total_instances, "already_prepared": True}
+        return summary
     if args.builtin:
-        output = args.output
-        if output is None:
-            key = builtin_key(args.vocab_size, args.seq_len, args.seed, args.tokenizer, _corpus_bytes())
-            output = str(Path(args.cache_dir).expanduser() / f"builtin-{key}")
         return prepare_builtin(
-            output, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed, tokenizer=args.tokenizer,
+            args.output, seq_len=args.seq_len, vocab_size=args.vocab_size, seed=args.seed, tokenizer=args.tokenizer,
             shard_size=args.shard_size, workers=args.workers, cache_dir=args.cache_dir, cluster=args.cluster,
             progress=progress,
         )
@@ -71,12 +77,6 @@ def _prepare(args: argparse.Namespace) -> dict:
         slurm_partition=args.partition, slurm_time_min=args.time_min,
     )
     return prepare(spec)
-
-
-def _corpus_bytes() -> int:
-    from moe_launch.trainer.data.corpus import BUILTIN_CORPUS_BYTES
-
-    return BUILTIN_CORPUS_BYTES
 
 
 def _inspect(args: argparse.Namespace) -> dict:
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         result.pop("spec", None)
         tps, per_core = result.get("tokens_per_s", 0.0), result.get("tokens_per_s_per_core", 0.0)
         if result.get("already_prepared"):
-            print(f"moe-data: {result['output']} is already prepared ({result['instances']} instances)", file=sys.stderr)
+            done = f"{result['output']} is already prepared ({result['instances']} instances)"
+            print(f"moe-data: {done}", file=sys.stderr)
         else:
             print(
                 f"moe-data: {result['instances']} instances x {args.seq_len + 1} tokens in {result['shards']} shards "

@@ -72,7 +72,7 @@ def _open_npy(path: Path, seq_len: int, vocab_size: int | None) -> TokenDataset:
     _check_vocab(index.max_token_id, vocab_size, path)
     arrays = shards.open_shards(path, index)
     if not arrays or index.total_instances == 0:
-        raise DataError(f"{path} holds no instances; prepare more text or lower --seq-len ({shards.prepare_hint(path)})")
+        raise DataError(f"{path} holds no instances; add text or lower --seq-len ({shards.prepare_hint(path)})")
     counts = np.array([a.shape[0] for a in arrays], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     return TokenDataset(path, "npy", seq_len, int(counts.sum()), True, index.max_token_id, arrays, starts)

@@ -36,7 +36,8 @@ def _code_of(dtype: np.dtype) -> int:
     for code, candidate in DTYPE_CODES.items():
         if np.dtype(candidate) == np.dtype(dtype):
             return code
-    raise ValueError(f"dtype {dtype} has no Megatron code; use one of {[np.dtype(d).name for d in DTYPE_CODES.values()]}")
+    names = [np.dtype(d).name for d in DTYPE_CODES.values()]
+    raise ValueError(f"dtype {dtype} has no Megatron code; use one of {names}")
 
 
 def write_indexed_dataset(prefix: str | Path, documents: Iterable[np.ndarray], dtype=np.uint16) -> None:

@@ -92,11 +92,12 @@ def list_inputs(inputs: tuple[str, ...] | list[str]) -> list[Path]:
     found: set[Path] = set()
     for item in inputs:
         path = Path(item).expanduser()
-        if path.is_dir():
-            candidates = [p for p in path.rglob("*") if p.is_file()]
+        if path.is_dir():  # skip hidden files and folders (.git, our own .NAME.tmp.PID files)
+            candidates = [p for p in path.rglob("*")
+                          if p.is_file() and not any(c.startswith(".") for c in p.relative_to(path).parts)]
         else:
-            candidates = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
-        candidates = [p for p in candidates if not any(part.startswith(".") for part in p.parts[-1:])]
+            candidates = [Path(p) for p in glob.glob(str(path), recursive=True)
+                          if Path(p).is_file() and not Path(p).name.startswith(".")]
         if not candidates:
             raise DataError(f"--input {item}: no files found; pass a directory or a glob such as 'data/*.jsonl'")
         found.update(p.resolve() for p in candidates)
@@ -300,6 +301,14 @@ def _existing_index(out_dir: Path, spec: PrepareSpec) -> Optional[shards.ShardIn
     return index
 
 
+def _remove_stale_temporaries(out_dir: Path) -> None:
+    """Half-written files of a killed run (every write goes to a `.NAME.tmp.PID` file first, then is renamed)."""
+    for folder in (out_dir, out_dir / "parts", out_dir / "completions"):
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp.*"):
+                tmp.unlink(missing_ok=True)
+
+
 def prepare(spec: PrepareSpec) -> dict[str, Any]:
     """Run (or finish) a preparation; returns a summary: instances, tokens, parts run/skipped, tokens/s (per core)."""
     from moe_launch.trainer.data.runners import run_local, run_slurm  # runners import rich/submitit lazily
@@ -315,6 +324,7 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
         return {"output": str(out_dir), "instances": done.total_instances, "already_prepared": True,
                 "parts_run": 0, "parts_skipped": done.source.get("parts", 0), "wall_s": time.perf_counter() - t0}
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(out_dir)
     plan = _make_plan(spec, out_dir)
     tasks = _tasks(plan, out_dir)
     pending = [t for t in tasks if not part_is_done(t)]

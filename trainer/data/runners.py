@@ -126,7 +126,9 @@ def run_slurm(tasks: list[PartTask], spec: "PrepareSpec", out_dir: Path) -> list
     try:
         jobs = executor.map_array(tokenize_part, tasks)
     except Exception as exc:
-        raise SubmissionError(f"sbatch refused the tokenization array ({exc}); check --partition and the cluster")
+        raise SubmissionError(
+            f"sbatch refused the tokenization array ({exc}); check --partition and the cluster"
+        ) from exc
     records: list[dict[str, Any]] = []
     failures: list[tuple[PartTask, BaseException]] = []
     waiting = dict(zip(tasks, jobs))

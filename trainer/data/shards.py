@@ -97,7 +97,9 @@ def read_index(path: Path | str) -> ShardIndex:
     try:
         raw = json.loads(index_file.read_text())
     except json.JSONDecodeError as exc:
-        raise DataError(f"{index_file} is not valid JSON ({exc}); re-run `moe-data prepare` into a fresh directory")
+        raise DataError(
+            f"{index_file} is not valid JSON ({exc}); re-run `moe-data prepare` into a fresh directory"
+        ) from exc
     if raw.get("format") != FORMAT:
         raise DataError(f"{index_file} is not a {FORMAT} index (format={raw.get('format')!r}); {prepare_hint(path)}")
     raw.pop("total_instances", None)
@@ -105,7 +107,7 @@ def read_index(path: Path | str) -> ShardIndex:
     try:
         return ShardIndex(**{k: v for k, v in raw.items() if k in known})
     except TypeError as exc:
-        raise DataError(f"{index_file} lacks fields ({exc}); re-run `moe-data prepare` into a fresh directory")
+        raise DataError(f"{index_file} lacks fields ({exc}); re-run `moe-data prepare` into a fresh directory") from exc
 
 
 def open_shards(path: Path | str, index: ShardIndex) -> list[np.ndarray]:

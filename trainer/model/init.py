@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch import nn
-
 from moe_launch.trainer.model.norm import RMSNorm
+from torch import nn
 
 
 def _seed(*parts: object) -> int:

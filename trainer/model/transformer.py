@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from moe_launch.conf.schema import ModelConfig
-from moe_launch.errors import DataError
 from moe_launch.trainer.model.attention import Attention
 from moe_launch.trainer.model.mlp import SwiGLU
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
 from moe_launch.trainer.moe.layer import MoELayer, RouterStats
+from torch import nn
+
+from moe_launch.errors import DataError
 
 
 class Block(nn.Module):
@@ -28,7 +28,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, rotary)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = MoELayer(cfg.d_model, cfg.moe, ep_rank, ep_size) if self.is_moe else SwiGLU(cfg.d_model, cfg.ffn_hidden)
+        if self.is_moe:
+            self.ffn = MoELayer(cfg.d_model, cfg.moe, ep_rank, ep_size)
+        else:
+            self.ffn = SwiGLU(cfg.d_model, cfg.ffn_hidden)
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats | None]:
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from moe_launch.conf.schema import MoEConfig
+from torch import nn
 
 
 @dataclass

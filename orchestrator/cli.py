@@ -1,0 +1,154 @@
+"""`moe-launch`: the login-side entry point.
+
+    moe-launch [hydra overrides]            plan, submit one allocation of N+B nodes, follow the run live
+    moe-launch dry_run=true [overrides]     (or --dry-run) print the plan and the job script, submit nothing
+    moe-launch attach runs/<name>           follow a run again (after the login session died); resubmits as needed
+    moe-launch status runs/<name>           one-shot view of a run
+    moe-launch stop runs/<name>             ask the supervisor to checkpoint and stop
+
+The subcommands are handled before Hydra sees argv. The run directory is Hydra's output directory,
+`${run.root}/${run.name}` unless `hydra.run.dir=...` moves it. Exit codes: 0 completed (or dry run), 1 the run
+failed or stopped, 2 bad configuration or submission refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+from moe_launch.errors import ConfigError, SubmissionError
+
+SUBCOMMANDS = ("attach", "status", "stop")
+_DEFAULT_OVERRIDES = {
+    "hydra.run.dir": "${run.root}/${run.name}",
+    "hydra.sweep.dir": "${run.root}/multirun-${now:%Y-%m-%d_%H-%M-%S}",
+    "hydra.sweep.subdir": "${hydra.job.num}",
+    "hydra.job.name": "moe-launch",
+}
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"moe-launch: {message}", file=sys.stderr)
+    return code
+
+
+def _load_run(path: str):
+    from moe_launch.conf.load import load_config
+    from moe_launch.rundir import RunDir
+
+    rd = RunDir(Path(path).absolute())
+    if not rd.config.exists():
+        raise SubmissionError(f"{rd.root} is not a run directory (no config.yaml); pass runs/<name>")
+    return load_config(rd.config), rd
+
+
+def subcommand(argv: list[str]) -> int:
+    from moe_launch.orchestrator import live, login
+
+    if len(argv) != 2 or argv[1].startswith("-"):
+        return _fail(f"usage: moe-launch {argv[0]} runs/<name>")
+    try:
+        cfg, rd = _load_run(argv[1])
+        if argv[0] == "attach":
+            from moe_launch.rundir import journal_event
+
+            journal_event(rd, "attach", ())
+            return login.follow(cfg, rd)
+        if argv[0] == "stop":
+            print(login.request_stop(cfg, rd))
+            return 0
+        snap = live.snapshot(rd, cfg.cluster.nodes, cfg.supervisor.max_restarts, cfg.train.steps)
+        from rich.console import Console
+
+        Console().print(live.render(snap))
+        if snap.summary:
+            print(json.dumps(snap.summary, indent=2, sort_keys=True))
+        return 0
+    except (ConfigError, SubmissionError) as e:
+        return _fail(str(e))
+
+
+def _discard_if_empty(run_dir: Path) -> None:
+    """A dry run or a refused config leaves no run behind: drop the directory if it holds only Hydra's own files."""
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= {".hydra", "moe-launch.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def run_app(cfg_node) -> int:
+    """The Hydra task: convert (validates), plan, then dry-run or submit and follow."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir).absolute()
+    try:
+        return _run_app(cfg_node, run_dir)
+    finally:
+        _discard_if_empty(run_dir)
+
+
+def _run_app(cfg_node, run_dir: Path) -> int:
+    from omegaconf import OmegaConf
+
+    from moe_launch.conf.load import dump_config
+    from moe_launch.orchestrator import login
+    from moe_launch.orchestrator.render import render_sbatch
+    from moe_launch.rundir import RunDir
+
+    try:
+        cfg = OmegaConf.to_object(cfg_node)
+    except ConfigError as e:
+        return _fail(f"bad configuration: {e}")
+    cfg.run.name = run_dir.name  # the directory is the run's name (multirun jobs get numbered directories)
+    try:
+        p = login.make_plan(cfg, run_dir)
+    except (ConfigError, SubmissionError) as e:
+        return _fail(f"refused before submission: {e}")
+    for w in p.warnings:
+        print(f"moe-launch: warning: {w}", file=sys.stderr)
+    if cfg.dry_run:
+        print("# launch plan\n" + json.dumps(p.to_json(), indent=2))
+        if p.kind == "slurm":
+            print("# job script\n" + render_sbatch(p))
+        else:
+            print(f"# cluster.kind=local: the supervisor runs here as: {' '.join(p.supervisor_argv)}")
+        return 0
+    rd = RunDir(run_dir).make()
+    dump_config(cfg, rd.config)
+    try:
+        handle = login.submit(cfg, rd, p)
+    except SubmissionError as e:
+        return _fail(f"submission failed: {e}")
+    print(f"moe-launch: run {cfg.run.name} started ({p.kind}: {handle}); outputs in {rd.root}", file=sys.stderr)
+    return login.follow(cfg, rd)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        sys.exit(subcommand(argv))
+    argv = ["dry_run=true" if a == "--dry-run" else a for a in argv]
+    for key, value in _DEFAULT_OVERRIDES.items():
+        if not any(a.startswith(key + "=") for a in argv):
+            argv.append(f"{key}={value}")
+    import hydra
+
+    from moe_launch.conf.store import register
+
+    register()
+    codes: list[int] = []
+
+    @hydra.main(config_path=None, config_name="moe_launch", version_base=None)
+    def _app(cfg_node) -> int:
+        code = run_app(cfg_node)
+        codes.append(code)
+        return code
+
+    sys.argv = [sys.argv[0], *argv]
+    _app()
+    sys.exit(max(codes, default=0))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Stage construction: layer splits (given or balanced by parameter count) and stage weights equal to the slices of
+the unpipelined model built after the same seed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig
+from moe_launch.errors import ConfigError
+from moe_launch.trainer.model import build_model
+from moe_launch.trainer.pipeline.split import balanced_split, check_split, chunk_layers
+from moe_launch.trainer.pipeline.stage import build_stage_model, parameter_counts
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=64, d_model=16, n_layers=6, n_heads=2, max_seq_len=16,
+                       moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=8), **kw)
+
+
+def test_balanced_split_minimises_the_largest_chunk():
+    assert balanced_split([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
+    assert balanced_split([1.0] * 7, 3) == [range(0, 2), range(2, 5), range(5, 7)]
+    # a heavy embedding (worth two layers) on chunk 0 moves layers to the other chunks
+    assert balanced_split([1.0] * 8, 2, first_extra=2.0) == [range(0, 3), range(3, 8)]
+    assert balanced_split([1.0] * 8, 4, first_extra=1.0, last_extra=1.0) == [range(0, 1), range(1, 4), range(4, 7),
+                                                                              range(7, 8)]
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        balanced_split([1.0] * 3, 4)
+
+
+def test_given_split_and_its_errors():
+    assert check_split([0, 3, 3], 6, 3) == [range(0, 0), range(0, 3), range(3, 6)]
+    for bad in ([3, 3], [2, 2, 3], [3, 0, 3]):
+        with pytest.raises(ConfigError, match="parallel.pp_split"):
+            check_split(bad, 6, 3)
+    with pytest.raises(ConfigError, match="parallel.pp_split"):
+        ParallelConfig(pp=2, pp_split=[1, 2, 3])
+
+
+def test_param_balance_counts_embedding_and_head():
+    cfg = ModelConfig(vocab_size=4096, d_model=64, n_layers=8, n_heads=4, max_seq_len=16,
+                      moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=64))
+    layers, embed, head = parameter_counts(cfg)
+    full = build_model(cfg)
+    assert sum(layers) + embed + head == sum(p.numel() for p in full.parameters())
+    by_layers = chunk_layers(8, 2, [], "layers", layers, embed, head)
+    by_params = chunk_layers(8, 4, [], "params", layers, embed, head)
+    assert by_layers == [range(0, 4), range(4, 8)]
+    # embedding and head are each worth ~2.6 layers here: the end chunks get fewer layers
+    assert [len(r) for r in by_params] == [1, 3, 3, 1]
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_stages_hold_exactly_the_slices_of_the_unpipelined_model(kind):
+    cfg = _cfg(kind=kind)
+    torch.manual_seed(5)
+    full = build_model(cfg, ep_rank=1, ep_size=2).state_dict()
+    ranges = [range(0, 2), range(2, 3), range(3, 5), range(5, 6)]  # chunks 0..3; stage s holds s and s+2
+    names: set[str] = set()
+    for stage in (0, 1):
+        torch.manual_seed(5)
+        model = build_stage_model(cfg, {c: ranges[c] for c in (stage, stage + 2)}, 4, ep_rank=1, ep_size=2)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, full[name]), name
+            assert name not in names
+            names.add(name)
+    assert names == set(full)

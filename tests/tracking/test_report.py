@@ -1,0 +1,141 @@
+"""Plots from metrics.jsonl: a synthetic dense-vs-MoE pair (with a restart) and a real short trainer run."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_launch.conf.load import dump_config
+from moe_launch.conf.schema import (
+    ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig, RootConfig, TrainConfig,
+)
+from moe_launch.orchestrator.report import last_per_step, load_matrix, main_report, make_plots, read_run, step_times
+from moe_launch.rundir import RunDir, append_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_valid_png(path: Path, min_colours: int = 8) -> None:
+    from PIL import Image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        w, h = im.size
+        assert w >= 300 and h >= 200, (path, im.size)
+        pixels = np.asarray(im.convert("RGB")).reshape(-1, 3)
+    colours = np.unique(pixels, axis=0)
+    assert len(colours) >= min_colours, f"{path}: only {len(colours)} colours (blank plot?)"
+    # not a blank canvas: a visible share of pixels differs from the dominant (background) colour
+    _, counts = np.unique(pixels, axis=0, return_counts=True)
+    assert counts.max() / len(pixels) < 0.98, f"{path}: almost all one colour"
+
+
+def _cfg(kind: str) -> RootConfig:
+    model = ModelConfig(kind=kind, vocab_size=512, d_model=32, n_layers=2, n_heads=4, max_seq_len=128,
+                        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32))
+    return RootConfig(model=model)
+
+
+def _synthetic_run(root: Path, kind: str, seed: int, steps: int = 40, restart_at: int = 0) -> RunDir:
+    """Loss decaying like a real run, noisy step times, per-layer expert counts with a persistently hot expert,
+    and (restart_at) a relaunch that re-logs the steps after the last checkpoint after a long gap."""
+    rd = RunDir(root).make()
+    dump_config(_cfg(kind), rd.config)
+    rng = random.Random(seed)
+    t = 1.7e9
+    plan = list(range(1, steps + 1))
+    if restart_at:
+        plan = plan[:restart_at] + list(range(restart_at - 3, steps + 1))
+    for i, step in enumerate(plan):
+        t += 0.2 + 0.02 * rng.random() + (90.0 if restart_at and i == restart_at else 0.0)
+        rec = {"step": step, "lm_loss": 6.2 * math.exp(-step / 25) + 3.0 + 0.05 * rng.random(), "grad_norm":
+               2.0 * math.exp(-step / 10) + 0.4 + 0.1 * rng.random(), "lr": 1e-3, "tokens_per_s": 5000.0,
+               "time": t}
+        rec["loss"] = rec["lm_loss"]
+        if kind == "moe":
+            counts = [[rng.randint(20, 40) + (60 if e == layer + 1 else 0) for e in range(8)] for layer in range(2)]
+            ratios = [max(c) / (sum(c) / len(c)) for c in counts]
+            rec.update(aux_loss=0.011, z_loss=0.003, expert_counts=counts, expert_load_max=max(ratios),
+                       expert_load_mean=sum(ratios) / 2)
+        append_jsonl(rd.metrics, rec)
+    return rd
+
+
+def test_synthetic_dense_vs_moe(tmp_path):
+    dense = _synthetic_run(tmp_path / "dense", "dense", seed=1)
+    moe = _synthetic_run(tmp_path / "moe", "moe", seed=2, restart_at=20)
+    paths = make_plots([dense.root, moe.root], out_dir=tmp_path / "sweep_plots")
+    assert sorted(p.name for p in paths) == ["expert_balance.png", "expert_load.png", "grad_norm.png", "loss.png",
+                                             "step_time.png"]
+    for p in paths:
+        assert_valid_png(p)
+
+    s = read_run(moe.root)
+    assert s.kind == "moe" and s.name == "moe"
+    assert list(s.steps) == list(range(1, 41))  # the re-logged steps 17..20 appear once
+    assert np.isnan(s.step_time[0]) and np.nanmax(s.step_time) < 1.0  # the 90 s relaunch gap is not a step
+    assert s.load_LE.shape == (2, 8)
+    hot = s.load_LE.argmax(axis=1)
+    assert list(hot) == [1, 2]
+    assert np.allclose(s.load_LE.mean(axis=1), 1.0)
+
+
+def test_single_run_report_and_cli(tmp_path, capsys):
+    rd = _synthetic_run(tmp_path / "run", "moe", seed=3, steps=12)
+    assert main_report(rd.root) == 0
+    printed = capsys.readouterr().out.split()
+    assert {Path(p).name for p in printed} >= {"loss.png", "expert_load.png", "step_time.png"}
+    assert all(Path(p).parent == rd.root / "plots" for p in printed)
+    empty = RunDir(tmp_path / "empty").make()
+    assert main_report(empty.root) == 1
+    assert make_plots(empty.root) == []
+
+
+def test_pure_readers():
+    recs = [{"step": 1, "loss": 3.0, "time": 10.0}, {"step": 2, "loss": 2.0, "time": 11.0},
+            {"step": 2, "loss": 1.5, "time": 50.0}, {"step": 4, "loss": 1.0, "time": 52.0}]
+    kept = last_per_step(recs)
+    assert [r["loss"] for r in kept] == [3.0, 1.5, 1.0]
+    dt = step_times(kept)
+    assert np.isnan(dt[0]) and dt[1] == pytest.approx(40.0) and dt[2] == pytest.approx(1.0)
+    assert list(step_times([{"step": 1, "step_time_s": 0.5}, {"step": 2}])[:1]) == [0.5]
+    assert load_matrix([{"step": 1}]) is None
+    m = load_matrix([{"expert_counts": [[1, 3], [2, 2]]}, {"expert_counts": [[3, 1], [0, 0]]}])
+    assert np.allclose(m, [[1.0, 1.0], [0.5, 0.5]])
+
+
+def test_plots_from_a_real_trainer_run(tmp_path):
+    """Four steps of the real trainer (one CPU rank), then the report on what it logged."""
+    cfg = RootConfig(
+        model=ModelConfig(kind="moe", vocab_size=512, d_model=32, n_layers=2, n_heads=4, max_seq_len=32,
+                          moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32)),
+        parallel=ParallelConfig(dp=1),
+        train=TrainConfig(steps=4, global_batch_size=4, micro_batch_size=2, seq_len=32, warmup_steps=1,
+                          ckpt_interval=0, progress=False, tensorboard=False),
+        data=DataConfig(cache_dir=str(tmp_path / "data-cache"), workers=1),
+        cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1),
+    )
+    rd = RunDir(tmp_path / "real").make()
+    dump_config(cfg, rd.config)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MOE_LAUNCH_NODE="node0")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run([sys.executable, "-m", "moe_launch.trainer", "--run-dir", str(rd.root)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    paths = make_plots(rd.root)
+    names = {p.name for p in paths}
+    assert {"loss.png", "grad_norm.png", "step_time.png", "expert_balance.png"} <= names
+    for p in paths:
+        assert_valid_png(p)
+    assert list(read_run(rd.root).steps) == [1, 2, 3, 4]
