@@ -177,7 +177,8 @@ def kernel_checks(device, log):
         out[f"combine_fwd_{dt}"] = rel(reduce.combine(xr, a.pair_row_TK, wtk),
                                        reduce.combine_reference(xr, a.pair_row_TK, wtk)) <= tol
         dy = torch.randn(T, D, generator=g).to(device, dt)
-        p1, p2 = reduce.combine_bwd(dy, xr, a.pair_row_TK, wtk), reduce.combine_bwd_reference(dy, xr, a.pair_row_TK, wtk)
+        p1 = reduce.combine_bwd(dy, xr, a.pair_row_TK, wtk)
+        p2 = reduce.combine_bwd_reference(dy, xr, a.pair_row_TK, wtk)
         out[f"combine_bwd_{dt}"] = rel(p1[0][:R], p2[0][:R]) <= tol and rel(p1[1], p2[1]) <= tol
         # whole layer with both GEMM paths, sub-range of experts and zero-token experts
         for impl in ("triton", "torch") if dt == torch.bfloat16 else ("triton",):
@@ -192,6 +193,25 @@ def kernel_checks(device, log):
                 out[f"layer_{impl}_{dt}"] = (max(errs) <= tol, [f"{v:.1e}" for v in errs])
             except Exception as e:  # noqa: BLE001
                 out[f"layer_{impl}_{dt}"] = f"ERROR {e!r}"[:300]
+    # autocast: fp32 master weights, bf16 compute (torch grouped_mm path), fp32 gradients; vs fp32 evaluation of the
+    # bf16-rounded inputs
+    try:
+        E = e1 - e0
+        ts = [torch.randn(T, D, generator=g), torch.rand(T, K, generator=g), torch.randn(E, Fh, D, generator=g) / 16,
+              torch.randn(E, Fh, D, generator=g) / 16, torch.randn(E, D, Fh, generator=g) / 11]
+        ps = [t.to(device).requires_grad_() for t in ts]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fast_experts(ps[0], idx, ps[1], *ps[2:], e_start=e0)
+        gr = torch.autograd.grad(y.float().sum(), ps)
+        qs = [(t.to(device).bfloat16().float() if i != 1 else t.to(device)).requires_grad_() for i, t in enumerate(ts)]
+        yr = experts_reference(qs[0], idx, qs[1], *qs[2:], e_start=e0)
+        grr = torch.autograd.grad(yr.sum(), qs)
+        errs = [rel(y, yr)] + [rel(p, q) for p, q in zip(gr, grr)]
+        out["layer_autocast_bf16_fp32_masters"] = (max(errs) <= 1e-2 and y.dtype == torch.bfloat16
+                                                   and all(t.dtype == torch.float32 for t in gr),
+                                                   [f"{v:.1e}" for v in errs])
+    except Exception as e:  # noqa: BLE001
+        out["layer_autocast_bf16_fp32_masters"] = f"ERROR {e!r}"[:300]
     for k, v in out.items():
         log(f"  check {k}: {v}")
     return out
@@ -384,8 +404,9 @@ def main() -> None:
         err = max(checks.get(name, {"-": float("nan")}).values())
         log(f"| {name} | {t['ms']:.2f} | {t['fwd_ms']:.2f} | {t['tflops']:.0f} | "
             f"{100 * t['tflops'] / dense_tflops:.0f}% | {t['peak_mib']:.0f} | {err:.1e} |")
-    if dense_tflops == dense_tflops:
-        log(f"| floor: same FLOPs at the dense rate | {flops / dense_tflops / 1e9:.2f} | | {dense_tflops:.0f} | 100% | | |")
+    if dense_tflops == dense_tflops:  # not NaN
+        floor_ms = flops / dense_tflops / 1e9
+        log(f"| floor: same FLOPs at the dense rate | {floor_ms:.2f} | | {dense_tflops:.0f} | 100% | | |")
 
 
 if __name__ == "__main__":

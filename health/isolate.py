@@ -7,8 +7,11 @@ Strategy (binary splitting, about 2·log2(N) + 2 tests for one bad node, instead
   1. Split the suspect group into two halves of EQUAL size (an odd node out is set aside), and measure both. Equal
      sizes matter: all-to-all bandwidth depends on the node count, so halves are comparable with each other (and
      with a stored baseline for that count, when there is one).
-  2. A half is bad when it has wrong elements, did not run, or its busbw is below `threshold` × reference, where the
-     reference is the baseline for that node count if stored, else the best half measured at that size.
+  2. A half is bad when it has wrong elements, did not run, or its busbw is below `cut` × reference, where the
+     reference is the baseline for that node count if stored, else the best group measured at that size, and
+     cut = min(threshold, sqrt(depth)); depth = (whole group's busbw) / (its baseline). A culprit must reproduce at
+     least half (on a log scale) of the slowdown that failed the whole group: on a noisy machine a healthy pair may
+     measure 3x below another, while the group with the bad node is 100x below; threshold alone would convict both.
      Good halves' nodes are cleared and become anchors; bad halves are split again.
   3. A bad group of 2 or 3 nodes, every node set aside, and a group whose two halves look alike although their
      union failed (a bad node in each half) are resolved by pairing each member with a cleared anchor node; the
@@ -19,6 +22,7 @@ suspects are reported `inconclusive` rather than guessed at.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -121,8 +125,17 @@ class _Isolator:
                 self._clear([member])
 
 
-def isolate(nodes: list[str], measure: Measure, baseline: Baseline, threshold: float) -> IsolationResult:
-    iso = _Isolator(measure, baseline, threshold)
+def isolation_cut(threshold: float, depth: Optional[float]) -> float:
+    """The fraction of the reference below which a sub-group is bad (see the module docstring)."""
+    if depth is None or depth <= 0 or depth >= 1:
+        return threshold
+    return min(threshold, math.sqrt(depth))
+
+
+def isolate(nodes: list[str], measure: Measure, baseline: Baseline, threshold: float,
+            depth: Optional[float] = None) -> IsolationResult:
+    """depth: the failed whole group's busbw / its baseline (None when it failed on wrong elements or errors)."""
+    iso = _Isolator(measure, baseline, isolation_cut(threshold, depth))
     loose: list[str] = []
     pending = iso.split(list(nodes), loose)
     if pending or loose:

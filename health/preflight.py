@@ -175,7 +175,7 @@ def alltoall_step(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, w
 
 
 def isolation_step(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, work: Path, data: dict,
-                   backend: str) -> IsolationResult:
+                   backend: str, depth: Optional[float]) -> IsolationResult:
     size = _sizes(cfg, cluster)[-1]
 
     def measure(group: list[str]) -> GroupMeasurement:
@@ -187,7 +187,7 @@ def isolation_step(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, 
     def baseline(n: int) -> Optional[float]:
         return baselines.a2a_baseline(data, baselines.A2AKey(cluster.name, n, cluster.tasks_per_node, size, backend))
 
-    return isolate(nodes, measure, baseline, cfg.alltoall.threshold)
+    return isolate(nodes, measure, baseline, cfg.alltoall.threshold, depth)
 
 
 def _fail_reasons(results: list[CheckResult]) -> dict[str, list[str]]:
@@ -231,7 +231,9 @@ def run_preflight(nodes: list[str], health_cfg: HealthConfig, cluster_cfg: Clust
         results += [CheckResult(n, CHECK_ALLTOALL, status, value=busbw, reasons=reasons,
                                 details={"group_nodes": survivors, "baseline_busbw_gbs": base}) for n in survivors]
         if status == "fail" and cfg.alltoall.isolate and len(survivors) >= 2:
-            iso = isolation_step(survivors, cfg, cluster, work, data, a2a.backend)
+            wrong = any(r.wrong for r in a2a.rows)
+            depth = busbw / base if (base and busbw is not None and not wrong) else None
+            iso = isolation_step(survivors, cfg, cluster, work, data, a2a.backend, depth)
             iso_info = iso.to_dict()
             for n in iso.bad:
                 results.append(CheckResult(n, CHECK_ISOLATION, "fail", reasons=[

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from moe_launch.kernels._launch import launch, next_pow2
 
 
@@ -30,6 +29,7 @@ def _gmm_kernel(
     E, M, K,
     s_an, s_ak, s_be, s_bk, s_bm, s_cn, s_cm,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -53,6 +53,9 @@ def _gmm_kernel(
         k_ok = ks < K
         a = tl.load(a_base + ks[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_base + ks[:, None] * s_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -67,7 +70,7 @@ def _gmm_wgrad_kernel(
     offsets_ptr,
     M, K,
     s_an, s_am, s_bn, s_bk, s_ce, s_cm, s_ck,
-    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     e = tl.program_id(0)
     ms = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -82,6 +85,9 @@ def _gmm_wgrad_kernel(
         r_ok = rs < end
         a = tl.load(a_ptr + rs[None, :] * s_an + ms[:, None] * s_am, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
         b = tl.load(b_ptr + rs[:, None] * s_bn + ks[None, :] * s_bk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
@@ -109,7 +115,7 @@ def grouped_mm_triton(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E, offsets
     grid = (m_tiles, triton.cdiv(M, BN))
     launch(_gmm_kernel, grid, a_NK, b_EKM, c_NM, offsets_E1, tile_ends_E, E, M, K,
            a_NK.stride(0), a_NK.stride(1), *b_EKM.stride(), c_NM.stride(0), c_NM.stride(1),
-           BM=BM, BN=BN, BK=BK, E_PAD=next_pow2(E), IEEE=a_NK.dtype == torch.float32)
+           BM=BM, BN=BN, BK=BK, E_PAD=next_pow2(E), IEEE=a_NK.dtype == torch.float32, UPCAST=not cuda)
     return c_NM
 
 
@@ -123,7 +129,8 @@ def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: 
     BM, BN, BR = (_tile(M, 64), _tile(K, 64), 64) if cuda else (_tile(M, 256), _tile(K, 256), 1024)
     grid = (E, triton.cdiv(M, BM), triton.cdiv(K, BN))
     launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
-           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=BM, BN=BN, BR=BR, IEEE=a_NM.dtype == torch.float32)
+           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=BM, BN=BN, BR=BR, IEEE=a_NM.dtype == torch.float32,
+           UPCAST=not cuda)
     return c_EMK
 
 

@@ -19,7 +19,6 @@ Rows >= R of every buffer are unspecified and never read. No host sync anywhere 
 from __future__ import annotations
 
 import torch
-
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
@@ -75,5 +74,12 @@ def fast_experts(
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
     gemm_impl: "auto" (torch grouped_mm on sm90 bf16, else our Triton kernel), "torch", "triton" or "reference".
+    Under torch.autocast the expert computation runs in the autocast dtype, as F.linear would, and y_TD comes back in
+    that dtype; the casts sit outside the autograd Function, so fp32 master weights get fp32 gradients. w_TK keeps
+    its dtype (the reductions accumulate in fp32 either way).
     """
+    dev = x_TD.device.type
+    if torch.is_autocast_enabled(dev):
+        dt = torch.get_autocast_dtype(dev)
+        x_TD, w_gate_EFD, w_up_EFD, w_down_EDF = (t.to(dt) for t in (x_TD, w_gate_EFD, w_up_EFD, w_down_EDF))
     return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl)

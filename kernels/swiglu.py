@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
 from moe_launch.kernels._launch import launch, next_pow2
 
 

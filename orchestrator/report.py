@@ -38,7 +38,7 @@ class RunSeries:
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.kind})"
+        return self.name if self.kind in ("?", "") or self.kind in self.name else f"{self.name} ({self.kind})"
 
 
 def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -27,6 +27,8 @@ _BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "
 _TASK_LINE = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: (.*)$")
 _NODE_FAILURE = re.compile(r"Node failure on (\S+)")
 _EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
+_PROBE_TIMEOUT_S = 5.0  # a live slurmd starts a probe step in well under a second; a dead one never does
+_STRAGGLER_EXIT_S = 60.0
 
 
 def _run(argv: list[str], timeout: float = _TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -133,6 +135,27 @@ def cancel(job_id: str, signal_name: Optional[str] = None) -> None:
 
 # ---- inside the allocation ------------------------------------------------------------------------------------------
 
+def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[str]:
+    """The nodes among `nodes` that run a trivial step within timeout_s (in parallel). Slurm's own verdict on a dead
+    node takes its node timeout (~25-30 s here); a step launch on it simply never succeeds."""
+    procs = {n: subprocess.Popen(["srun", f"--jobid={job_id}", "--overlap", f"--nodelist={n}", "--nodes=1",
+                                  "--ntasks=1", "--job-name=moe-probe", "echo", "moe-probe-ok"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+             for n in nodes}
+    deadline = time.monotonic() + timeout_s
+    alive: set[str] = set()
+    for node, proc in procs.items():
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if b"moe-probe-ok" in out:
+                alive.add(node)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return alive
+
+
 class SlurmStep:
     """One `srun` trainer step. Reads srun's stderr as it comes: task exits and node failures are seen at once, and
     nodes whose tasks never report after another task's bad exit count as dead after supervisor.exit_grace_s
@@ -164,6 +187,7 @@ class SlurmStep:
         self.first_bad: Optional[tuple[str, str, str]] = None
         self.first_bad_t: Optional[float] = None
         self.killed = False
+        self.probed = False
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -195,13 +219,26 @@ class SlurmStep:
         missing = tuple(n for n in self.nodes if n not in self.reported)
         if rc is None:
             if self.dead:
-                self.kill()
-                return self._result(None, ())
-            if self.first_bad_t is not None and time.monotonic() - self.first_bad_t > self.grace_s and missing:
-                self.kill()
-                return self._result(None, missing)
+                return self._kill_with(self._result(None, ()))
+            if self.first_bad is not None and self.first_bad[0] == "signal":
+                # tasks killed from outside: that node is the cause, the others are collateral
+                return self._kill_with(self._result(None, ()))
+            waited = time.monotonic() - self.first_bad_t if self.first_bad_t is not None else 0.0
+            if waited > self.grace_s and missing and not self.probed:
+                # silent after another task failed: a dead slurmstepd, or a task slow to exit? ask the nodes
+                self.probed = True
+                gone = tuple(n for n in missing if n not in probe_nodes(self.job_id, missing, _PROBE_TIMEOUT_S))
+                if gone:
+                    return self._kill_with(self._result(None, gone))
+            if waited > self.grace_s + _STRAGGLER_EXIT_S:
+                # every node answers, yet the tasks do not end: a failure without a node cause
+                return self._kill_with(self._result(None, ()))
             return None
         return self._result(rc, ())
+
+    def _kill_with(self, result: StepResult) -> StepResult:
+        self.kill()
+        return result
 
     def _result(self, rc: Optional[int], silent: tuple[str, ...]) -> StepResult:
         dead = list(dict.fromkeys(self.dead + list(silent)))
@@ -210,7 +247,9 @@ class SlurmStep:
         if self.first_bad:
             kind, node, what = self.first_bad
             code = int(what) if kind == "exit" else 137
-            detail.append(f"first bad exit: {node} ({'exit code ' + what if kind == 'exit' else what})")
+            seen = time.monotonic() - (self.first_bad_t or time.monotonic())
+            detail.append(f"first bad exit: {node} ({'exit code ' + what if kind == 'exit' else what}), "
+                          f"{seen:.1f} s before this verdict")
             if kind == "signal" and node not in dead:
                 dead.append(node)  # its tasks were killed from outside the program: treat the node as failed
         elif rc:
@@ -219,7 +258,7 @@ class SlurmStep:
         if self.dead:
             detail.append("srun: node failure on " + ", ".join(self.dead))
         if silent:
-            detail.append(f"no exit reported from {', '.join(silent)} within {self.grace_s:.0f} s of the first bad exit")
+            detail.append(f"{', '.join(silent)}: no task exit reported and no answer to a probe step")
         if dead and not code:
             code = 137
         failed = tuple(n for n, w in self.reported.items() if w not in ("0",) and n not in dead)

@@ -197,3 +197,14 @@ def test_killed_run_resumes_from_markers(small_corpus, tiny_tokenizer, tmp_path)
     assert not list(out.glob(".*.tmp.*")) and not list(out.glob("parts/.*.tmp.*"))
     prepare(small_spec(corpus, tiny_tokenizer, tmp_path / "clean", workers=1, parts=16))
     assert np.array_equal(_all_rows(out), _all_rows(tmp_path / "clean"))
+
+
+def test_cli_inspect_decodes_instances(small_dataset, capsys):
+    from moe_launch.trainer.data.cli import main
+
+    assert main(["inspect", str(small_dataset), "--show", "2"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["instances"] == read_index(small_dataset).total_instances
+    assert len(info["samples"]) == 2 and all(isinstance(s, str) and s for s in info["samples"])
+    assert main(["inspect", str(small_dataset / "missing")]) == 2
+    assert "moe-data prepare" in capsys.readouterr().err

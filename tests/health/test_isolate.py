@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from moe_launch.health.isolate import GroupMeasurement, group_is_bad, isolate
+from moe_launch.health.isolate import GroupMeasurement, group_is_bad, isolate, isolation_cut
 
 
 def model_cluster(n: int, slow: dict[int, float], corrupt: frozenset[int] = frozenset(), jitter: float = 0.04):
@@ -83,3 +83,19 @@ def test_group_is_bad_rules():
     assert group_is_bad(GroupMeasurement(("a", "b"), 50.0, wrong=1), 10.0, 0.9)
     assert group_is_bad(GroupMeasurement(("a", "b"), 0.0, error="srun failed"), None, 0.9)
     assert not group_is_bad(ok, None, 0.9)
+
+
+def test_noisy_healthy_pair_is_not_convicted_when_depth_is_known():
+    """On the shared CI machine a healthy pair can measure several x below another; the slow node is ~100x below."""
+    nodes = [f"node{i}" for i in range(1, 5)]
+    speed = {("node1", "node2"): 0.0015, ("node3", "node4"): 0.9, ("node1", "node3"): 0.18, ("node2", "node3"): 0.0016}
+
+    def measure(group):
+        return GroupMeasurement(tuple(group), speed[tuple(group)])
+
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9, depth=0.015)
+    assert r.bad == ["node2"] and sorted(r.cleared) == ["node1", "node3", "node4"]
+    # with the threshold alone, the noisy healthy pair (0.2 of the best) would convict node1 as well
+    assert isolate(nodes, measure, baseline=lambda k: None, threshold=0.9).bad == ["node1", "node2"]
+    assert isolation_cut(0.9, 0.81) == pytest.approx(0.9) and isolation_cut(0.9, 0.04) == pytest.approx(0.2)
+    assert isolation_cut(0.9, None) == 0.9

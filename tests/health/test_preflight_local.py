@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from moe_launch.conf.schema import AllToAllConfig, ClusterConfig, DcgmConfig, HealthConfig
 from moe_launch.health import store
 from moe_launch.health.dcgm import DCGMI_DIR_ENV
@@ -62,6 +61,11 @@ def test_delay_on_one_node_is_isolated(tmp_path):
     assert result.isolation["bad"] == ["local2"], result.isolation
     assert result.healthy == ["local1", "local3", "local4"] and list(result.failed) == ["local2"]
     assert len(result.isolation["tests"]) <= 5
+    # `moe-health baseline`: re-record on purpose, even though the stored value is better than today's
+    rerecord = run_preflight(NODES, base, cluster, tmp_path / "health", "rebase", force_baseline=True)
+    assert rerecord.ok
+    stored = json.loads((tmp_path / "baselines.json").read_text())["alltoall"]
+    assert {v["run"] for v in stored.values()} == {"rebase"}
 
 
 def test_repeated_failures_quarantine_a_node_until_released(tmp_path, monkeypatch):

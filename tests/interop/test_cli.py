@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from hf_helpers import rel_err, tiny_olmoe
 from moe_launch.trainer.interop.__main__ import main
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint
@@ -31,3 +30,16 @@ def test_upcycle_refuses_an_moe_checkpoint(tmp_path, capsys):
     assert "kind=dense" in capsys.readouterr().err
     state, _ = full_state_from_checkpoint(tmp_path / "ckpt")
     assert state["blocks.0.ffn.w_up_EFD"].shape[0] == 4
+
+
+def test_export_casts_to_bf16(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    tiny_olmoe(n_layers=1).save_pretrained(tmp_path / "hf")
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}

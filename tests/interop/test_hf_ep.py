@@ -7,7 +7,6 @@ checkpoint those ranks write (EP-sharded files, DP-scattered) exports back to a 
 from __future__ import annotations
 
 import torch
-
 from ep_workers import import_forward_save, spawn
 from hf_helpers import rel_err, tiny_olmoe
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint, write_model_checkpoint

@@ -6,13 +6,13 @@ import json
 
 import pytest
 import torch
-
 from hf_helpers import rel_err, tiny_olmoe
 from moe_launch.conf.schema import ModelConfig, MoEConfig
-from moe_launch.errors import ConfigError
 from moe_launch.trainer.interop.hf import export_hf, load_hf_into_model
 from moe_launch.trainer.interop.hf_config import model_config_from_hf, read_hf_config
 from moe_launch.trainer.model import build_model
+
+from moe_launch.errors import ConfigError
 
 TOL = 1e-5
 

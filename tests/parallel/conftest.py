@@ -7,7 +7,7 @@ import pytest
 import torch
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _single_thread_torch():
     before = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -11,6 +11,7 @@ import datetime
 import io
 import os
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
@@ -73,7 +74,8 @@ class RankPool:
                 rank, (status, value) = self.results.get(timeout=JOB_TIMEOUT_S)
             except queue.Empty:
                 self.close()
-                raise TimeoutError(f"{fn.__name__}: no result within {JOB_TIMEOUT_S}s (deadlock?); pool stopped")
+                raise TimeoutError(f"{fn.__name__}: no result within {JOB_TIMEOUT_S}s (deadlock?); "
+                                   "pool stopped") from None
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             got[rank] = torch.load(io.BytesIO(value), weights_only=False) if status == "ok" else None
@@ -84,8 +86,9 @@ class RankPool:
     def close(self) -> None:
         for q in self.jobs:
             q.put(None)
+        deadline = time.monotonic() + 3  # interpreter shutdown of an idle worker is slow on a loaded machine
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                p.kill()
+                p.kill()  # idle and holding nothing: safe to end
                 p.join()

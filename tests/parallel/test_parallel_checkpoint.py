@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
-
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
-from moe_launch.trainer.checkpoint.store import load_file
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.groups import coords_of
-from moe_launch.trainer.parallel.reshard import holder_of, model_shard_writer, reshard_optimizer_state, shard_of
+from moe_launch.trainer.parallel.reshard import holder_of, model_shard_writer, shard_of
+from moe_launch.trainer.parallel.resume import load_optimizer_resharded
+from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
 
 STEPS, STOP_AT = 5, 3
 
@@ -86,13 +85,7 @@ def _reshard_worker(rank: int, world: int, tmp: str, saved_strategy: str, new_st
     broadcast_model(model, groups)
     opt.sync_master_from_params()
 
-    def read(saved_rank: int) -> dict:
-        _, dp_r, ep_r = coords_of(saved_rank, saved_layout["dp"], saved_layout["ep"])
-        c = layout.Coords(rank=saved_rank, dp_rank=dp_r, ep_rank=ep_r, ep_size=saved_layout["ep"],
-                          optimizer_sharding=saved_layout["optimizer_sharding"], is_moe=True)
-        return load_file(ckpt, layout.optimizer_file(c))
-
-    reshard_optimizer_state(opt, saved_layout, read)
+    load_optimizer_resharded(ckpt, opt, saved_layout)
     losses, _ = parallel_steps(groups, model, opt, STOP_AT, STEPS - STOP_AT)
     return {"losses": losses, "params": _snapshot(model), "ep_rank": groups.ep_rank, "data_rank": groups.data_rank}
 
@@ -112,7 +105,7 @@ def test_checkpoint_from_dp2_ep2_loads_at_dp1_ep2(rank_pool, tmp_path, saved_str
             if p.shape != ref.shape:
                 e_local = p.shape[0]
                 ref = ref[r["ep_rank"] * e_local : (r["ep_rank"] + 1) * e_local]
-            torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_shard_bookkeeping_is_consistent():

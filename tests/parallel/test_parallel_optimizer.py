@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
-from moe_launch.errors import ConfigError
 from moe_launch.trainer.parallel.groups import build_groups, coords_of, group_ranks
 from moe_launch.trainer.parallel.optimizer import build_optimizer
+from torch import nn
+
+from moe_launch.errors import ConfigError
 
 E_GLOBAL, STEPS, CLIP = 4, 5, 0.8
 TRAIN = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -101,7 +101,6 @@ def test_replicated_single_process_is_torch_adamw_bitwise():
 def test_sharded_strategies_on_four_ranks_equal_one_process(rank_pool, dp, ep):
     ref_params, ref_norms = _reference(data_size=dp * ep)
     e_local = E_GLOBAL // ep
-    dense = 7 * 5 + 5  # two buckets: 35 (decay) + 5 (no decay)
     expert_local = e_local * 3 * 5
     for strategy in ("none", "zero1", "epso"):
         results = rank_pool.run(_optimizer_worker, 4, dp, ep, strategy)
@@ -111,7 +110,8 @@ def test_sharded_strategies_on_four_ranks_equal_one_process(rank_pool, dp, ep):
             torch.testing.assert_close(r["params"]["w_DD"], ref_params["w_DD"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(r["params"]["b_D"], ref_params["b_D"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(r["params"]["w_EFD"], ref_params["w_EFD"][sl], rtol=1e-5, atol=1e-6)
-        # theory: 12 bytes (fp32 master, exp_avg, exp_avg_sq) per element of each bucket's (padded) shard
+        # dense buckets: 35 (decay) + 5 (no decay) elements; theory: 12 bytes (fp32 master, exp_avg,
+        # exp_avg_sq) per element of each bucket's (padded) shard
         ceil = lambda n, k: -(-n // k)  # noqa: E731
         shards = {
             "none": (35, 5, expert_local),
@@ -136,3 +136,38 @@ def test_group_layout_puts_ep_innermost():
 def test_world_size_mismatch_names_the_key():
     with pytest.raises(ConfigError, match="parallel.dp"):
         build_groups(ParallelConfig(dp=2, ep=2))
+
+
+def test_bf16_parameters_keep_fp32_master_weights():
+    groups = build_groups(ParallelConfig())
+    model = ToyParams().to(torch.bfloat16)
+    opt = build_optimizer(model, TRAIN, ParallelConfig(), groups)
+    tiny_lr = 1e-5  # updates far below bf16 resolution: only an fp32 master accumulates them
+    for step in range(3):
+        for n, p in model.named_parameters():
+            p.grad = local_grads(step, 0)[n].to(torch.bfloat16)
+        opt.reduce_grads()
+        opt.step(tiny_lr)
+        opt.zero_grad()
+    master = {b.name: b.master for b in opt.buckets}
+    assert set(master) == {"expert.decay.bfloat16", "dense.decay.bfloat16", "dense.no_decay.bfloat16"}
+    start_fp32 = ToyParams().w_DD.detach().to(torch.bfloat16).float()  # where the master started
+    b = next(b for b in opt.buckets if b.name == "dense.decay.bfloat16")
+    moved = (b.master[:35].view(7, 5) - start_fp32).abs()
+    assert moved.max() > 1e-5  # the master accumulated the updates...
+    assert torch.equal(model.w_DD.detach(), b.master[:35].view(7, 5).to(torch.bfloat16))  # ...params follow it
+
+
+def test_load_state_dict_refuses_another_layout():
+    from moe_launch.trainer.parallel.reshard import reshard_optimizer_state
+
+    from moe_launch.errors import CheckpointError
+
+    groups = build_groups(ParallelConfig())
+    opt = build_optimizer(ToyParams(), TRAIN, ParallelConfig(), groups)
+    sd = opt.state_dict()
+    sd["buckets"]["dense.decay.float32"]["shard_count"] = 2
+    with pytest.raises(CheckpointError, match="reshards"):
+        opt.load_state_dict(sd)
+    with pytest.raises(CheckpointError, match="parallel.ep"):
+        reshard_optimizer_state(opt, {"dp": 1, "ep": 2, "optimizer_sharding": "epso"}, lambda r: sd)

@@ -36,7 +36,8 @@ def test_dp_ep_training_equals_single_process(rank_pool, reference, dp, ep):
                 if p.shape != ref.shape:  # expert weights: this rank's slice of the global experts
                     e_local = p.shape[0]
                     ref = ref[out["ep_rank"] * e_local : (out["ep_rank"] + 1) * e_local]
-                torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{variant} {name}: {m}")
+                torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, v=variant, n=name: f"{v} {n}: {m}")
         strategy = variant[0]
         r0 = results[0][variant]
         n_e, n_ne = r0["expert_numel"], r0["dense_numel"]

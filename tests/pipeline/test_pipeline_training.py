@@ -1,5 +1,6 @@
 """PP=2 (2 gloo ranks) and PP=2 x EP=2 (4 gloo ranks) with every schedule give the losses, aux / z losses (per layer
-too), global gradient norms and parameters of the unpipelined model for five optimizer steps."""
+too), global gradient norms and parameters of the unpipelined model for five optimizer steps; so does each with
+selective recompute (under EP the recomputed MoE layers replay the token exchange in the backward)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ from pp_harness import spawn
 from pp_training import pipelined_run, reference_run
 
 STEPS = 5
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)]
+# (name, schedule, virtual stages, train.recompute)
+SCHEDULES = [("gpipe", "gpipe", 1, ()), ("1f1b", "1f1b", 1, ()), ("interleaved", "interleaved", 2, ()),
+             ("1f1b+recompute", "1f1b", 1, ("norm", "attention", "moe"))]
 
 
 def _all_schedules(rank: int, world: int, dp: int, ep: int, pp: int, strategy: str) -> dict:
-    return {s: pipelined_run(STEPS, dp, ep, pp, s, v, strategy=strategy) for s, v in SCHEDULES}
+    return {name: pipelined_run(STEPS, dp, ep, pp, s, v, strategy=strategy, recompute=rc)
+            for name, s, v, rc in SCHEDULES}
 
 
 def _check(results: list[dict], reference: dict) -> None:
-    for schedule, _ in SCHEDULES:
+    for schedule, *_ in SCHEDULES:
         seen: set[str] = set()
         for r in results:
             out = r[schedule]

@@ -3,6 +3,8 @@ the unpipelined model built after the same seed."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -20,11 +22,12 @@ def _cfg(**kw) -> ModelConfig:
 
 def test_balanced_split_minimises_the_largest_chunk():
     assert balanced_split([1.0] * 8, 2) == [range(0, 4), range(4, 8)]
-    assert balanced_split([1.0] * 7, 3) == [range(0, 2), range(2, 5), range(5, 7)]
+    assert balanced_split([1.0] * 7, 3) == [range(0, 2), range(2, 4), range(4, 7)]  # ties: earliest cuts
     # a heavy embedding (worth two layers) on chunk 0 moves layers to the other chunks
     assert balanced_split([1.0] * 8, 2, first_extra=2.0) == [range(0, 3), range(3, 8)]
-    assert balanced_split([1.0] * 8, 4, first_extra=1.0, last_extra=1.0) == [range(0, 1), range(1, 4), range(4, 7),
-                                                                              range(7, 8)]
+    # embedding and head worth a layer each: the largest chunk costs 3 (total 10 over 4 chunks)
+    assert balanced_split([1.0] * 8, 4, first_extra=1.0, last_extra=1.0) == [range(0, 1), range(1, 3), range(3, 6),
+                                                                              range(6, 8)]
     with pytest.raises(ConfigError, match="parallel.pp"):
         balanced_split([1.0] * 3, 4)
 
@@ -44,11 +47,20 @@ def test_param_balance_counts_embedding_and_head():
     layers, embed, head = parameter_counts(cfg)
     full = build_model(cfg)
     assert sum(layers) + embed + head == sum(p.numel() for p in full.parameters())
-    by_layers = chunk_layers(8, 2, [], "layers", layers, embed, head)
+    by_layers = chunk_layers(8, 4, [], "layers", layers, embed, head)
     by_params = chunk_layers(8, 4, [], "params", layers, embed, head)
-    assert by_layers == [range(0, 4), range(4, 8)]
-    # embedding and head are each worth ~2.6 layers here: the end chunks get fewer layers
-    assert [len(r) for r in by_params] == [1, 3, 3, 1]
+    assert by_layers == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+
+    def worst(ranges):
+        return max(sum(layers[i] for i in r) + (embed if c == 0 else 0) + (head if c == 3 else 0)
+                   for c, r in enumerate(ranges))
+
+    # the optimum over every contiguous split into 4 non-empty chunks (brute force)
+    optimum = min(worst([range(0, a), range(a, b), range(b, c), range(c, 8)])
+                  for a, b, c in itertools.combinations(range(1, 8), 3))
+    assert worst(by_params) == optimum < worst(by_layers)
+    # embedding and head are each worth ~4 layers here: the end chunks get a single layer
+    assert len(by_params[0]) == len(by_params[-1]) == 1
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])

@@ -11,12 +11,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
+from interop.hf_helpers import random_token_dataset
 from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import (
-    ClusterConfig, DataConfig, ModelConfig, MoEConfig, ParallelConfig, RootConfig, TrainConfig,
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RootConfig,
+    TrainConfig,
 )
 from moe_launch.orchestrator.report import last_per_step, load_matrix, main_report, make_plots, read_run, step_times
+
 from moe_launch.rundir import RunDir, append_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +129,7 @@ def test_plots_from_a_real_trainer_run(tmp_path):
         parallel=ParallelConfig(dp=1),
         train=TrainConfig(steps=4, global_batch_size=4, micro_batch_size=2, seq_len=32, warmup_steps=1,
                           ckpt_interval=0, progress=False, tensorboard=False),
-        data=DataConfig(cache_dir=str(tmp_path / "data-cache"), workers=1),
+        data=DataConfig(path=random_token_dataset(tmp_path / "data", seq_len=32, vocab=512)),
         cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1),
     )
     rd = RunDir(tmp_path / "real").make()

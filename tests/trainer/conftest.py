@@ -34,15 +34,15 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-def tiny_cfg(data_cache: str, dp: int = 1, **train) -> RootConfig:
+def tiny_cfg(data_cache: str, dp: int = 1, ep: int = 1, optimizer_sharding: str = "none", **train) -> RootConfig:
     model = ModelConfig(name="test_moe", kind="moe", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
                         max_seq_len=SEQ, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32))
     t = dict(steps=8, global_batch_size=4, micro_batch_size=2, seq_len=SEQ, lr=3e-3, min_lr=3e-4, warmup_steps=2,
              ckpt_interval=2, deterministic=True, progress=False)
     t.update(train)
-    return RootConfig(model=model, parallel=ParallelConfig(dp=dp), train=TrainConfig(**t),
-                      data=DataConfig(cache_dir=data_cache, workers=1),
-                      cluster=ClusterConfig(kind="local", nodes=dp, tasks_per_node=1))
+    return RootConfig(model=model, parallel=ParallelConfig(dp=dp, ep=ep, optimizer_sharding=optimizer_sharding),
+                      train=TrainConfig(**t), data=DataConfig(cache_dir=data_cache, workers=1),
+                      cluster=ClusterConfig(kind="local", nodes=dp * ep, tasks_per_node=1))
 
 
 def write_run(root: Path, cfg: RootConfig) -> RunDir:

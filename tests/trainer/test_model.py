@@ -135,3 +135,17 @@ def test_topk_weights_without_renorm_are_router_probs():
     r = layer.router(x)
     torch.testing.assert_close(r.w_TK, r.probs_TE.gather(1, r.idx_TK))
     assert r.logits_TE.dtype == torch.float32 and (r.w_TK.sum(-1) < 1).all()
+
+
+def test_bf16_autocast_forward_backward_on_cpu():
+    """The residual stream stays fp32 under autocast while the experts compute in bf16 (GPU training's setting)."""
+    torch.manual_seed(5)
+    model = build_model(SMALL_MOE)
+    x = _tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, parts = model.compute_loss(x[:, :-1], x[:, 1:])
+    loss.backward()
+    ref, _ = model.compute_loss(x[:, :-1], x[:, 1:])
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert abs(float(loss) - float(ref)) < 0.05
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -55,3 +55,30 @@ def test_nan_on_rank1_at_step5_is_a_soft_fault(tmp_path, data_cache):
     procs = launch_ranks(rd, world=2, attempt=1)
     assert [p.returncode for p in procs] == [EXIT_OK] * 2, procs[0].stdout[-3000:]
     assert max(r["step"] for r in read_jsonl(rd.metrics)) == 8
+
+
+def test_ep2_zero1_trainer_matches_dp1_and_resumes_bitwise(tmp_path, data_cache):
+    """EP=2 through the Trainer: losses equal DP=1 (fp32 tolerance), each EP rank writes its own expert shard, and
+    a crash-resume from that sharded checkpoint continues bitwise like the uninterrupted EP run."""
+    ref = write_run(tmp_path / "dp1", tiny_cfg(data_cache, steps=6))
+    assert Trainer(tiny_cfg(data_cache, steps=6), ref).train() == EXIT_OK
+    ep = write_run(tmp_path / "ep2", tiny_cfg(data_cache, ep=2, optimizer_sharding="zero1", steps=6))
+    procs = launch_ranks(ep, world=2)
+    assert [p.returncode for p in procs] == [EXIT_OK] * 2, procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
+    for a, b in zip(read_jsonl(ref.metrics), read_jsonl(ep.metrics)):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+
+    crashed = write_run(tmp_path / "ep2-crash", tiny_cfg(
+        data_cache, ep=2, optimizer_sharding="zero1", steps=6,
+        fault_injection=FaultInjection(kind="crash", rank=1, step=5, attempt=0)))
+    procs = launch_ranks(crashed, world=2)
+    assert procs[1].returncode == 1 and "InjectedCrash" in procs[1].stdout
+    manifest = read_manifest(choose_resume_slot(crashed.checkpoints).path)
+    assert manifest["step"] == 4
+    writers = {rel: info["rank"] for rel, info in manifest["files"].items()}
+    assert writers["model/experts-ep0.pt"] == 0 and writers["model/experts-ep1.pt"] == 1
+    assert writers["optim/rank0.pt"] == 0 and writers["optim/rank1.pt"] == 1
+    procs = launch_ranks(crashed, world=2, attempt=1)
+    assert [p.returncode for p in procs] == [EXIT_OK] * 2, procs[0].stdout[-3000:]
+    resumed = {r["step"]: r["loss"] for r in read_jsonl(crashed.metrics)}
+    assert [resumed[s] for s in (5, 6)] == [r["loss"] for r in read_jsonl(ep.metrics)][4:6]

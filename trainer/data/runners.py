@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from moe_launch.trainer.data.prepare import PrepareSpec
 
 _SLURM_POLL_S = 2.0
+_SLURM_RESUBMITS = 2
 
 
 class _Bar:
@@ -102,10 +103,19 @@ def run_local(tasks: list[PartTask], workers: int, progress: bool) -> list[dict[
     return records
 
 
+def _is_lost(exc: BaseException) -> bool:
+    """A task that never finished (node failure, preemption, cancelled) as opposed to one that raised."""
+    from submitit.core.utils import FailedJobError, UncompletedJobError
+
+    return isinstance(exc, UncompletedJobError) and not isinstance(exc, FailedJobError)
+
+
 def run_slurm(tasks: list[PartTask], spec: "PrepareSpec", out_dir: Path) -> list[dict[str, Any]]:
     """One Slurm array task per part (at most `spec.workers` at once), submitted and watched through submitit.
 
     The output directory must be on a filesystem the compute nodes share; the tasks write parts and markers there.
+    Parts whose task was lost (its node died, it was preempted) are resubmitted up to _SLURM_RESUBMITS times; a task
+    that raised (bad input) is not, since it would fail the same way again.
     """
     if not tasks:
         return []
@@ -123,27 +133,32 @@ def run_slurm(tasks: list[PartTask], spec: "PrepareSpec", out_dir: Path) -> list
     if spec.slurm_partition:
         params["slurm_partition"] = spec.slurm_partition
     executor.update_parameters(**params)
-    try:
-        jobs = executor.map_array(tokenize_part, tasks)
-    except Exception as exc:
-        raise SubmissionError(
-            f"sbatch refused the tokenization array ({exc}); check --partition and the cluster"
-        ) from exc
     records: list[dict[str, Any]] = []
     failures: list[tuple[PartTask, BaseException]] = []
-    waiting = dict(zip(tasks, jobs))
-    with _Bar(spec.progress, tasks, f"slurm array {jobs[0].job_id.split('_')[0]}") as bar:
-        while waiting:
-            for task, job in list(waiting.items()):
-                if not job.done():
-                    continue
-                del waiting[task]
-                try:
-                    records.append(job.result())
-                    bar.done(task, records[-1])
-                except Exception as exc:  # submitit raises with the task's stderr tail attached
-                    failures.append((task, exc))
-            if waiting:
-                time.sleep(_SLURM_POLL_S)
+    todo = list(tasks)
+    with _Bar(spec.progress, tasks, "slurm array") as bar:
+        for attempt in range(_SLURM_RESUBMITS + 1):
+            try:
+                jobs = executor.map_array(tokenize_part, todo)
+            except Exception as exc:
+                raise SubmissionError(
+                    f"sbatch refused the tokenization array ({exc}); check --partition and the cluster"
+                ) from exc
+            waiting, lost = dict(zip(todo, jobs)), []
+            while waiting:
+                for task, job in list(waiting.items()):
+                    if not job.done():
+                        continue
+                    del waiting[task]
+                    try:
+                        records.append(job.result())
+                        bar.done(task, records[-1])
+                    except Exception as exc:  # submitit attaches the task's stderr tail
+                        (lost if _is_lost(exc) and attempt < _SLURM_RESUBMITS else failures).append((task, exc))
+                if waiting:
+                    time.sleep(_SLURM_POLL_S)
+            todo = [task for task, _exc in lost]
+            if not todo:
+                break
     _raise_failures(failures, len(tasks))
     return records

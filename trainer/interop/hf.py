@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
+from moe_launch.conf.schema import ModelConfig
+from moe_launch.trainer.interop.hf_config import check_compatible, hf_config_from_model, read_hf_config
 from torch import nn
 
-from moe_launch.conf.schema import ModelConfig
 from moe_launch.errors import CheckpointError
-from moe_launch.trainer.interop.hf_config import check_compatible, hf_config_from_model, read_hf_config
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _EXPERT = {"w_gate_EFD": "gate_proj", "w_up_EFD": "up_proj", "w_down_EDF": "down_proj"}
@@ -45,7 +45,8 @@ def hf_path(spec: str | Path) -> Path:
 
 
 class SafetensorsDir:
-    """Lazy reader of a save_pretrained directory: model.safetensors or shards listed in model.safetensors.index.json."""
+    """Lazy reader of a save_pretrained directory: model.safetensors, or the shards model.safetensors.index.json
+    lists."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
@@ -135,10 +136,10 @@ def load_hf_into_model(model: nn.Module, path: str | Path, ep_rank: int = 0, ep_
     """
     cfg: ModelConfig = model.cfg
     if cfg.kind == "moe":
-        layer0 = model.blocks[0].ffn
-        if layer0.e_start != ep_rank * layer0.num_local_experts or layer0.num_local_experts * ep_size != layer0.num_experts:
-            raise CheckpointError(f"the model holds experts from {layer0.e_start} ({layer0.num_local_experts} local), "
-                                  f"not EP rank {ep_rank}'s share of ep={ep_size}; pass the model's own ep_rank/ep_size")
+        ffn = model.blocks[0].ffn
+        if ffn.e_start != ep_rank * ffn.num_local_experts or ffn.num_local_experts * ep_size != ffn.num_experts:
+            raise CheckpointError(f"the model holds experts from {ffn.e_start} ({ffn.num_local_experts} local), "
+                                  f"not EP rank {ep_rank}'s share of ep={ep_size}; pass the model's ep_rank/ep_size")
     sd = hf_state_for_rank(path, cfg, ep_rank, ep_size)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
@@ -172,36 +173,37 @@ def export_hf(model_state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_
               dtype: Optional[torch.dtype] = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Write config.json + model.safetensors (or shards + index) that OlmoeForCausalLM.from_pretrained reads.
 
-    `model_state`: our full state dict (all experts). `dtype`: cast on write (None keeps each tensor's dtype).
+    `model_state`: our full state dict (all experts). `dtype`: cast on write (None: the model's own dtype).
     """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous().clone()
-               for k, v in hf_state_from_ours(model_state, model_cfg).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    views = hf_state_from_ours(model_state, model_cfg)  # per-expert views share storage with the stacked tensors
+    out_dtype = dtype or views["model.norm.weight"].dtype
+    itemsize = torch.empty((), dtype=out_dtype).element_size()
+    plan: list[list[str]] = [[]]
     size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for key in sorted(views):
+        nbytes = views[key].numel() * itemsize
+        if plan[-1] and size + nbytes > max_shard_bytes:
+            plan.append([])
             size = 0
-        shards[-1][key] = tensors[key]
+        plan[-1].append(key)
         size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for n, shard in enumerate(shards, 1):
-            name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
+    names = ["model.safetensors"] if len(plan) == 1 else \
+        [f"model-{n:05d}-of-{len(plan):05d}.safetensors" for n in range(1, len(plan) + 1)]
+    for name, keys in zip(names, plan):
+        # materialise one shard at a time: a 7B export never holds a second copy of the whole model
+        shard = {k: views[k].detach().to("cpu", out_dtype).contiguous().clone() for k in keys}
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        del shard
+    if len(plan) > 1:
+        weight_map = {k: name for name, keys in zip(names, plan) for k in keys}
+        total = sum(views[k].numel() * itemsize for k in views)
         (out_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config = hf_config_from_model(model_cfg)
-    stored = next(iter(tensors.values())).dtype
-    config["torch_dtype"] = config["dtype"] = str(stored).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"] = str(out_dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir

@@ -23,7 +23,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.conf.schema import ModelConfig
+
 from moe_launch.errors import ConfigError
 
 # Extra key we write into config.json so a round trip restores kind=dense (transformers ignores unknown keys).

@@ -73,7 +73,12 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        r = self.router(x_TD)
+        r = self.router(x_TD)  # fp32 whatever the input
+        device_type = x_TD.device.type
+        if torch.is_autocast_enabled(device_type):
+            # the residual stream stays fp32 under autocast, but the experts' matmuls come out in the autocast
+            # dtype and the combine (index_add, grouped GEMM epilogues) needs one dtype: run the experts in it
+            x_TD = x_TD.to(torch.get_autocast_dtype(device_type))
         counts_E = expert_counts(r.idx_TK, self.num_experts)
         stats = RouterStats(aux_loss=load_balancing_loss(r.probs_TE, counts_E), z_loss=router_z_loss(r.logits_TE),
                             counts_E=counts_E)

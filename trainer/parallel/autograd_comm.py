@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
 from moe_launch.trainer.parallel.comm import all_gather, reduce_scatter
 from moe_launch.trainer.parallel.groups import Axis
 

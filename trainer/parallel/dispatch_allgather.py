@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from moe_launch.trainer.parallel.autograd_comm import all_gather_rows, reduce_scatter_rows
 from moe_launch.trainer.parallel.groups import Axis
 

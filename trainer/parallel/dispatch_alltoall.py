@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from moe_launch.trainer.parallel.autograd_comm import all_to_all_rows
 from moe_launch.trainer.parallel.groups import Axis
 

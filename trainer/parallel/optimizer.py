@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from moe_launch.trainer.parallel.comm import all_gather, all_reduce_, reduce_scatter, self_axis
+from moe_launch.trainer.parallel.groups import Axis, Groups
 from torch import nn
 
 from moe_launch.errors import CheckpointError, ConfigError
-from moe_launch.trainer.parallel.comm import all_gather, all_reduce_, reduce_scatter, self_axis
-from moe_launch.trainer.parallel.groups import Axis, Groups
 
 STRATEGIES = ("none", "zero1", "epso")
 
@@ -212,7 +212,8 @@ class ShardedAdamW:
         for b in self.buckets:
             s = saved[b.name]
             if s["param_names"] != b.param_names or s["numel"] != b.numel:
-                raise CheckpointError(f"bucket {b.name}: parameter list differs from the checkpoint; use the same model")
+                raise CheckpointError(f"bucket {b.name}: parameter list differs from the checkpoint; "
+                                      "resume with the same model.* config")
             if s["shard_count"] != b.shard_count or s["shard_index"] != b.shard_axis.rank:
                 raise CheckpointError(
                     f"bucket {b.name}: saved as shard {s['shard_index']}/{s['shard_count']}, this rank holds "
@@ -296,7 +297,8 @@ class ShardedAdamW:
             p.data.copy_(full[off : off + p.numel()].view_as(p))
 
 
-def build_optimizer(model: nn.Module, train_cfg: Any, parallel_cfg: Any, groups: Groups, lr: Optional[float] = None) -> ShardedAdamW:
+def build_optimizer(model: nn.Module, train_cfg: Any, parallel_cfg: Any, groups: Groups,
+                    lr: Optional[float] = None) -> ShardedAdamW:
     """AdamW for `model` with the sharding strategy `parallel.optimizer_sharding`; betas/eps/weight_decay from
     `train`. `lr` is accepted for symmetry with torch optimizers; the learning rate is passed to every `step(lr)`."""
     del lr

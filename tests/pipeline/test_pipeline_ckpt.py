@@ -1,0 +1,81 @@
+"""Stage-sharded checkpoints under PP=2 x DP=2 (4 gloo ranks): resuming gives the same next step as not stopping,
+model shards are written scattered over the DP ranks, and a model-only load works into another PP layout."""
+
+from __future__ import annotations
+
+import torch
+from pp_harness import spawn
+from pp_training import M, SEED, TRAIN, lr_at, micro_batches, model_cfg
+
+from moe_launch.conf.schema import ParallelConfig
+from moe_launch.trainer.checkpoint.store import read_manifest, verify
+from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.parallel.groups import build_groups
+from moe_launch.trainer.parallel.optimizer import build_optimizer
+from moe_launch.trainer.pipeline import build_pipeline, pipeline_step
+from moe_launch.trainer.pipeline import ckpt
+from moe_launch.trainer.pipeline.stage import build_stage_model
+
+PCFG = ParallelConfig(dp=2, pp=2, pp_schedule="1f1b", microbatches=M, optimizer_sharding="zero1")
+
+
+def _step(pipe, opt, groups, step: int) -> float:
+    mbs = micro_batches(step, groups.data_size)[groups.data_rank * M : (groups.data_rank + 1) * M]
+    loss, _ = pipeline_step(pipe, mbs)
+    opt.reduce_grads()
+    opt.clip_grad_norm_(TRAIN.grad_clip)
+    opt.step(lr_at(step))
+    opt.zero_grad()
+    return loss.item()
+
+
+def _worker(rank: int, world: int, path: str) -> dict:
+    groups = build_groups(PCFG)
+    coords = ckpt.StageCoords.of(groups, PCFG.optimizer_sharding, is_moe=True)
+
+    def fresh(seed: int):
+        torch.manual_seed(seed)
+        pipe = build_pipeline(model_cfg(), PCFG, groups)
+        return pipe, build_optimizer(pipe.model, TRAIN, PCFG, groups)
+
+    pipe, opt = fresh(SEED)
+    for step in range(2):
+        _step(pipe, opt, groups, step)
+    saved = {n: p.detach().clone() for n, p in pipe.model.named_parameters()}
+    ckpt.save(path, 2, coords, pipe.model, opt, {"step": 2}, Comm(), torch.device("cpu"))
+    straight = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
+
+    pipe, opt = fresh(SEED + 1)  # other weights: the load must replace all of them
+    ckpt.load_stage_model(path, coords, pipe.model)
+    ckpt.load_optimizer(path, coords, opt)
+    resumed = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
+    return {"saved": saved, "straight": straight, "resumed": resumed}
+
+
+def test_stage_checkpoint_resume_scatter_and_relayout(tmp_path):
+    path = tmp_path / "ckpt-a"
+    results = spawn(_worker, 4, str(path))
+    for r in results:
+        assert r["resumed"][0] == r["straight"][0]
+        for name, p in r["straight"][1].items():
+            assert torch.equal(r["resumed"][1][name], p), name
+
+    assert verify(path)[0]
+    writers = {rel: info["rank"] for rel, info in read_manifest(path)["files"].items()}
+    # rank = (pp * dp + dp_rank) * ep + ep_rank: stage 0 = ranks 0, 1 (dp 0, 1); stage 1 = ranks 2, 3
+    # shards m = 0 (pp0 dense), 1 (pp0 experts), 2 (pp1 dense), 3 (pp1 experts) go to dp rank m % 2
+    assert {rel: w for rel, w in writers.items() if rel.startswith("model/")} == {
+        "model/pp0/dense.pt": 0, "model/pp0/experts-ep0.pt": 1, "model/pp1/dense.pt": 2,
+        "model/pp1/experts-ep0.pt": 3}
+    assert {f"optim/rank{r}.pt" for r in range(4)} <= writers.keys() and writers["trainer.pt"] == 0
+
+    # the PP=2 model-only files load into an unpipelined (one stage, one chunk) model
+    cfg = model_cfg()
+    torch.manual_seed(123)
+    whole = build_stage_model(cfg, {0: range(cfg.n_layers)}, 1)
+    groups = build_groups(ParallelConfig())
+    ckpt.load_stage_model(path, ckpt.StageCoords.of(groups, "none", is_moe=True), whole)
+    saved = {**results[0]["saved"], **results[2]["saved"]}
+    assert saved.keys() == dict(whole.named_parameters()).keys()
+    for name, p in whole.named_parameters():
+        assert torch.equal(p, saved[name]), name

@@ -1,0 +1,58 @@
+"""Manual GPU check of the Trainer (not collected by pytest; CI has no GPU).
+
+    python tests/trainer/gpu_smoke.py OUT [--steps N] [--deterministic] [--dp 2]   (torchrun --nproc-per-node 2 ...)
+
+Trains tiny_moe (seq 128) with bf16 autocast over fp32 master weights, on NCCL when launched by torchrun, and prints
+the first/last losses and the step time. Builds the RootConfig directly, so it needs no OmegaConf on the GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from moe_launch.conf.presets import MODELS
+from moe_launch.conf.schema import ClusterConfig, DataConfig, ParallelConfig, RootConfig, TrainConfig
+from moe_launch.trainer.dist import detect_env, init_distributed, pick_device, shutdown
+from moe_launch.trainer.loop import Trainer
+
+from moe_launch.rundir import RunDir, read_jsonl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--name", default="run")
+    args = ap.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    env = detect_env(os.environ)
+    device = pick_device(env)
+    init_distributed(env, device)
+    cfg = RootConfig(
+        model=MODELS["tiny_moe"], parallel=ParallelConfig(dp=args.dp),
+        train=TrainConfig(steps=args.steps, global_batch_size=16, micro_batch_size=8, seq_len=128,
+                          ckpt_interval=20, deterministic=args.deterministic, progress=False),
+        data=DataConfig(cache_dir=str(args.out / "cache"), workers=8), cluster=ClusterConfig(nodes=args.dp),
+    )
+    rd = RunDir(args.out / args.name)
+    t0 = time.perf_counter()
+    code = Trainer(cfg, rd, device=device).train()
+    if env.rank == 0:
+        m = read_jsonl(rd.metrics)
+        print(json.dumps({"name": args.name, "exit": code, "device": torch.cuda.get_device_name(device),
+                          "first_loss": m[0]["loss"], "last_loss": m[-1]["loss"],
+                          "losses": [r["loss"] for r in m], "wall_s": time.perf_counter() - t0,
+                          "median_tokens_per_s": sorted(r["tokens_per_s"] for r in m)[len(m) // 2]}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
