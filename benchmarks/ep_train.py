@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers, make_dispatcher

@@ -11,7 +11,8 @@ of M micro-batches through the pipeline (no optimizer step: it does not depend o
   bubble_measured     1 - busy / step time, from one extra step that synchronises the device around every compute
                       action (busy = sum of this stage's action times); the mean over stages
   bubble_theory       the same fraction from schedule.simulate with this run's mean forward / backward chunk times
-                      (zero communication time)
+                      (zero communication time, perfectly balanced stages: the schedule's own bubble)
+  busy_s_per_stage    compute seconds of each stage in the timed step (their difference is stage imbalance)
   peak_mem_gib        torch.cuda.max_memory_allocated during the timed steps (max over ranks)
 """
 
@@ -46,7 +47,8 @@ def tiny() -> ModelConfig:
 
 
 def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, device: torch.device) -> dict:
-    pcfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual, microbatches=args.microbatches)
+    pcfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_virtual_stages=virtual, microbatches=args.microbatches,
+                          pp_balance=args.balance)
     groups = build_groups(pcfg)
     torch.manual_seed(0)
     pipe = build_pipeline(model_cfg, pcfg, groups, device)
@@ -82,11 +84,12 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
     busy = sum(end - start for _, start, end in timings)
     fwd = [e - s for a, s, e in timings if a.kind == "F"]
     bwd = [e - s for a, s, e in timings if a.kind == "B"]
-    stats = torch.tensor([1.0 - busy / wall, statistics.mean(fwd), statistics.mean(bwd)], dtype=torch.float64,
+    stats = torch.tensor([1.0 - busy / wall, statistics.mean(fwd), statistics.mean(bwd), busy], dtype=torch.float64,
                          device=device)
-    dist.all_reduce(stats)
-    stats /= dist.get_world_size()
-    bubble_measured, t_f, t_b = (float(v) for v in stats)
+    per_rank = [torch.zeros_like(stats) for _ in range(dist.get_world_size())]
+    dist.all_gather(per_rank, stats)
+    bubble_measured, t_f, t_b = (float(v) for v in torch.stack(per_rank).mean(0)[:3])
+    busy_per_stage = [float(r[3]) for r in per_rank]
     theory = simulate(pipe.orders(args.microbatches), t_fwd=t_f, t_bwd=t_b, virtual=virtual)
     tokens = args.microbatches * args.mbs * args.seq
     median = statistics.median(times)
@@ -97,6 +100,8 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
             "seq": args.seq, "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
             "bubble_measured": bubble_measured, "bubble_theory": theory.bubble_fraction,
             "chunk_fwd_ms": 1e3 * t_f, "chunk_bwd_ms": 1e3 * t_b, "peak_mem_gib": float(peak),
+            "busy_s_per_stage": busy_per_stage, "timed_step_s": wall, "balance": args.balance,
+            "chunk_layers": [len(r) for r in pipe.chunk_ranges],
             "recompute": list(args.recompute)}
 
 
@@ -110,6 +115,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--impl", default="fast", help="model.moe.impl on GPU: fast | reference")
     ap.add_argument("--recompute", nargs="*", default=[], help="train.recompute kinds, e.g. norm attention moe")
+    ap.add_argument("--balance", default="flops", help="parallel.pp_balance: flops | params | layers")
     ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--out", default=None, help="directory for pp_train.json")
     args = ap.parse_args()
@@ -139,12 +145,15 @@ def main() -> None:
         meta = {"model": model_cfg.name, "torch": torch.__version__, "device": torch.cuda.get_device_name(device)
                 if device.type == "cuda" else "cpu", "world": 2, "time": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                           time.gmtime())}
-        print(f"\n{meta}\n| schedule | M | tokens/s | step s | bubble measured | bubble theory | chunk F/B ms | peak GiB |")
-        print("|---|---|---|---|---|---|---|---|")
+        print(f"\n{meta}\n| schedule | layers per chunk | M | tokens/s | step s | bubble measured | bubble theory "
+              "| busy s per stage | chunk F/B ms | peak GiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             name = r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else "")
-            print(f"| {name} | {r['microbatches']} | {r['tokens_per_s']:.0f} | {r['step_s_median']:.3f} | "
-                  f"{r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} | {r['chunk_fwd_ms']:.1f} / "
+            busy = " / ".join(f"{b:.3f}" for b in r["busy_s_per_stage"])
+            print(f"| {name} | {r['chunk_layers']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | "
+                  f"{r['step_s_median']:.3f} | {r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} | {busy} | "
+                  f"{r['chunk_fwd_ms']:.1f} / "
                   f"{r['chunk_bwd_ms']:.1f} | {r['peak_mem_gib']:.1f} |")
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)

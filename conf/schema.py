@@ -113,7 +113,8 @@ class ParallelConfig:
     microbatches: int = 1  # PP micro-batches per step
     # layers per model chunk (pp * pp_virtual_stages entries); empty: balanced by pp_balance
     pp_split: list[int] = field(default_factory=list)
-    pp_balance: str = "params"  # params (embedding / head count on the first / last chunk) | layers
+    # flops (forward FLOPs: MoE layers count top-k experts, the head 2*D*V) | params (memory) | layers
+    pp_balance: str = "flops"
 
     def __post_init__(self) -> None:
         for key in ("dp", "ep", "pp", "pp_virtual_stages", "microbatches"):
@@ -121,7 +122,7 @@ class ParallelConfig:
             _require(value >= 1, f"parallel.{key}", f"got {value}", "use a positive integer")
         _one_of(self.optimizer_sharding, ("none", "zero1", "epso"), "parallel.optimizer_sharding")
         _one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
-        _one_of(self.pp_balance, ("params", "layers"), "parallel.pp_balance")
+        _one_of(self.pp_balance, ("flops", "params", "layers"), "parallel.pp_balance")
         if self.pp_split:
             _require(len(self.pp_split) == self.pp * self.pp_virtual_stages, "parallel.pp_split",
                      f"{len(self.pp_split)} entries for pp*pp_virtual_stages = {self.pp * self.pp_virtual_stages} chunks",
@@ -306,7 +307,7 @@ class SupervisorConfig:
     launch_timeout_s: float = 300.0  # time allowed for the first heartbeat after a (re)launch
     # after a task of the trainer step exits badly, nodes whose tasks have not reported within this many seconds are
     # taken as dead (their slurmstepd is gone): no waiting for Slurm's node timeout
-    exit_grace_s: float = 3.0
+    exit_grace_s: float = 1.5
     # argv that replaces `python -m moe_launch.trainer` (empty: the embedded trainer); tests point it at stand-ins
     trainer_command: list[str] = field(default_factory=list)
 

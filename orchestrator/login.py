@@ -8,7 +8,9 @@ login session died.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -63,6 +65,8 @@ def start_allocation(p: LaunchPlan, rd: RunDir, number: int) -> str:
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(render_sbatch(p))
         return slurm.submit(script)
+    if number > 0:
+        _kill_local_leftovers(rd)
     log = open(rd.logs / f"supervisor-{number}.log", "ab")
     proc = subprocess.Popen(list(p.supervisor_argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=rd.root, start_new_session=True)  # survives the login session
@@ -71,6 +75,18 @@ def start_allocation(p: LaunchPlan, rd: RunDir, number: int) -> str:
 
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # local supervisors started by this process (reaped when they exit)
+
+
+def _kill_local_leftovers(rd: RunDir) -> None:
+    """A local "allocation" that ended (its supervisor died) leaves its trainer processes behind, unlike a Slurm job
+    whose end kills its steps: end those of this run (pids from the heartbeats, checked against their command line)."""
+    for path in rd.heartbeat.glob("rank*.json"):
+        try:
+            pid = int(json.loads(path.read_text())["pid"])
+            if str(rd.root) in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "):
+                os.killpg(pid, signal.SIGKILL)
+        except (OSError, ValueError, KeyError):
+            continue
 
 
 def handle_alive(kind: str, handle: str) -> bool:

@@ -27,7 +27,7 @@ _BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "
 _TASK_LINE = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: (.*)$")
 _NODE_FAILURE = re.compile(r"Node failure on (\S+)")
 _EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
-_PROBE_TIMEOUT_S = 5.0  # a live slurmd starts a probe step in well under a second; a dead one never does
+_PROBE_TIMEOUT_S = 4.0  # a live slurmd starts a probe step in well under a second; a dead one never does
 _STRAGGLER_EXIT_S = 60.0
 
 
@@ -192,7 +192,7 @@ class SlurmStep:
     def _read(self) -> None:
         assert self.proc.stderr is not None
         for raw in self.proc.stderr:
-            self.log.write(raw)
+            self.log.write(time.strftime("%H:%M:%S ").encode() + raw)  # arrival time: detection latency is visible
             self.log.flush()
             self.lines.append(raw.decode(errors="replace").rstrip("\n"))
 

@@ -22,8 +22,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--attempt", type=int, default=0, help="launch attempt (fault injection fires on its attempt only)")
     args = ap.parse_args(argv)
 
-    from moe_launch.conf.load import load_config
     from omegaconf.errors import OmegaConfBaseException
+
+    from moe_launch.conf.load import load_config
 
     try:
         cfg = load_config(args.run_dir / "config.yaml")

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from moe_launch.conf.schema import FaultInjection
 
+from moe_launch.conf.schema import FaultInjection
 from moe_launch.rundir import RunDir, write_json_atomic
 
 

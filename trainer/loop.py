@@ -20,7 +20,10 @@ from dataclasses import asdict
 from typing import Optional
 
 import torch
+
 from moe_launch.conf.schema import RootConfig
+from moe_launch.errors import CheckpointError, ConfigError
+from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
 from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
@@ -36,14 +39,14 @@ from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 from moe_launch.trainer.recompute import apply_recompute
 
-from moe_launch.errors import CheckpointError, ConfigError
-from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
-
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
-    """CPU: bitwise repeatable. GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts (__main__ does);
-    flash attention backward and atomics-based scatter/index_add are not deterministic on GPU, so torch raises
-    for ops without a deterministic kernel instead of silently differing (warn_only=False)."""
+    """CPU: bitwise repeatable (tested). GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts
+    (__main__ does it). Seen on one H200 (torch 2.11, tiny_moe, reference experts, SDPA): two runs gave bitwise equal
+    losses over 20 steps. Caveats: torch raises (warn_only=False) for an op without a deterministic CUDA kernel
+    rather than letting runs drift; atomics-based kernels (Triton scatter/combine in kernels/, model.moe.impl=fast)
+    and a different GPU count, GPU model or library version are outside the guarantee; NCCL all-reduce is
+    deterministic for a fixed topology and algorithm only."""
     torch.use_deterministic_algorithms(deterministic)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not deterministic
@@ -165,9 +168,10 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> int:
         t = self.cfg.train
+        previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGUSR2, signal.SIGTERM):
-                signal.signal(sig, self._request_stop)
+                previous[sig] = signal.signal(sig, self._request_stop)
         sink = None
         if self.rank == 0:
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress)
@@ -182,6 +186,8 @@ class Trainer:
         finally:
             if sink is not None:
                 sink.close()
+            for sig, handler in previous.items():  # an embedding process (tests, notebooks) gets its handlers back
+                signal.signal(sig, handler)
 
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
         """Returns local means over micro-batches: [loss, lm, aux, z] and the per-layer stats."""

@@ -14,10 +14,9 @@ import os
 import time
 from typing import Any, Optional
 
-from moe_launch.trainer.moe.losses import load_imbalance
-
 from moe_launch.errors import ConfigError
 from moe_launch.rundir import RunDir, append_jsonl
+from moe_launch.trainer.moe.losses import load_imbalance
 
 
 def write_heartbeat(run_dir: RunDir, rank: int, step: int, host: str) -> None:

@@ -39,6 +39,7 @@ def random_token_dataset(out_dir, seq_len: int, vocab: int, rows: int = 64, seed
     from pathlib import Path
 
     import numpy as np
+
     from moe_launch.trainer.data.shards import ShardIndex, token_dtype, write_index, write_shard
 
     out = Path(out_dir)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from hf_helpers import rel_err, tiny_olmoe
+
 from moe_launch.trainer.interop.__main__ import main
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint
 

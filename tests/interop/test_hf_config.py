@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.interop.hf_config import hf_config_from_model, model_config_from_hf, refuse_unsupported
 from moe_launch.trainer.model.transformer import Transformer
 from moe_launch.trainer.tracking.flops import active_matmul_params
-
-from moe_launch.errors import ConfigError
 
 # The fields of allenai/OLMoE-1B-7B-0924's config.json (transformers-4 style: rope_theta at the top level).
 OLMOE_1B_7B = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from ep_workers import import_forward_save, spawn
 from hf_helpers import rel_err, tiny_olmoe
+
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint, write_model_checkpoint
 from moe_launch.trainer.interop.hf import export_hf, hf_state_for_rank
 from moe_launch.trainer.interop.hf_config import model_config_from_hf, read_hf_config

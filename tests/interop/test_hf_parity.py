@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 from hf_helpers import rel_err, tiny_olmoe
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.interop.hf import export_hf, load_hf_into_model
 from moe_launch.trainer.interop.hf_config import model_config_from_hf, read_hf_config
 from moe_launch.trainer.model import build_model
-
-from moe_launch.errors import ConfigError
 
 TOL = 1e-5
 
@@ -118,3 +118,27 @@ def test_olmo2_is_refused_with_the_reason(tmp_path):
                      ).save_pretrained(tmp_path / "olmo2")
     with pytest.raises(ConfigError, match="post-norm"):
         model_config_from_hf(read_hf_config(tmp_path / "olmo2"))
+
+
+def test_import_of_the_fused_transformers5_layout(tmp_path):
+    """Files holding transformers-5's in-memory tensors (experts.gate_up_proj [E, 2F, D], experts.down_proj
+    [E, D, F]) import to the same logits, also sliced for EP."""
+    from safetensors.torch import save_file
+
+    torch.set_num_threads(1)
+    hf_model = tiny_olmoe(num_experts=4, top_k=2)
+    sd = hf_model.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sd
+    (tmp_path / "fused").mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "fused" / "model.safetensors"))
+    hf_model.config.to_json_file(str(tmp_path / "fused" / "config.json"))
+    cfg = model_config_from_hf(read_hf_config(tmp_path / "fused"))
+    ours = build_model(cfg).eval()
+    load_hf_into_model(ours, tmp_path / "fused")
+    tokens = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        assert rel_err(ours(tokens), hf_model(tokens).logits) <= TOL
+    from moe_launch.trainer.interop.hf import hf_state_for_rank
+
+    upper = hf_state_for_rank(tmp_path / "fused", cfg, ep_rank=1, ep_size=2)
+    assert torch.equal(upper["blocks.1.ffn.w_up_EFD"], ours.blocks[1].ffn.w_up_EFD[2:])

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from helpers_net import free_port
 from hf_helpers import random_token_dataset, rel_err, tiny_olmoe
+
 from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import ClusterConfig, DataConfig, ParallelConfig, RootConfig, TrainConfig
+from moe_launch.rundir import RunDir, read_jsonl
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint
 from moe_launch.trainer.interop.hf import export_hf, hf_state_for_rank
 from moe_launch.trainer.interop.hf_config import model_config_from_hf, read_hf_config
-
-from moe_launch.rundir import RunDir, read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 import torch
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.interop.gather import write_model_checkpoint
 from moe_launch.trainer.interop.upcycle import upcycle_checkpoint, upcycle_state
 from moe_launch.trainer.model import build_model
-
-from moe_launch.errors import ConfigError
 
 DENSE = ModelConfig(kind="dense", vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_hidden=48, max_seq_len=32)
 

@@ -17,15 +17,16 @@ pytestmark = pytest.mark.slurm
 TIMEOUT_S = 420
 
 
-def assert_swap_story(journal, summary, out_node, in_node, failed_before):
+def assert_swap_story(journal, summary, out_node, in_node, t_fail):
     ks = story(journal)
     assert ks.index("failure" if "failure" in ks else "fault") < ks.index("swap")
     swap = [r for r in journal if r["kind"] == "swap"][-1]
     assert swap["details"] == {"out": out_node, "buffer_in": in_node}
     assert out_node in summary["excluded_nodes"] and summary["swapped_nodes"][-1] == {"out": out_node, "in": in_node}
     assert summary["restarts"] >= 1 and out_node not in summary["final_nodes"] and in_node in summary["final_nodes"]
-    resumed = trainer_resume(journal, failed_before)
-    assert resumed["details"]["step"] == newest_checkpoint_step(journal, failed_before)  # the newer checkpoint
+    seen = first(journal, "failure", t_fail)["time"]  # no checkpoint can be written after the failure was seen
+    resumed = trainer_resume(journal, seen)
+    assert resumed["details"]["step"] == newest_checkpoint_step(journal, seen)  # the newer checkpoint
     assert summary["status"] == "completed" and summary["steps_done"] == 9
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.broadcast import broadcast_model

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
+
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.dist import Comm
@@ -15,7 +17,6 @@ from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.groups import coords_of
 from moe_launch.trainer.parallel.reshard import holder_of, model_shard_writer, shard_of
 from moe_launch.trainer.parallel.resume import load_optimizer_resharded
-from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
 
 STEPS, STOP_AT = 5, 3
 

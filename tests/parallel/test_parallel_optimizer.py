@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_launch.conf.schema import ParallelConfig, TrainConfig
-from moe_launch.trainer.parallel.groups import build_groups, coords_of, group_ranks
-from moe_launch.trainer.parallel.optimizer import build_optimizer
 from torch import nn
 
+from moe_launch.conf.schema import ParallelConfig, TrainConfig
 from moe_launch.errors import ConfigError
+from moe_launch.trainer.parallel.groups import build_groups, coords_of, group_ranks
+from moe_launch.trainer.parallel.optimizer import build_optimizer
 
 E_GLOBAL, STEPS, CLIP = 4, 5, 0.8
 TRAIN = TrainConfig(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -159,9 +159,8 @@ def test_bf16_parameters_keep_fp32_master_weights():
 
 
 def test_load_state_dict_refuses_another_layout():
-    from moe_launch.trainer.parallel.reshard import reshard_optimizer_state
-
     from moe_launch.errors import CheckpointError
+    from moe_launch.trainer.parallel.reshard import reshard_optimizer_state
 
     groups = build_groups(ParallelConfig())
     opt = build_optimizer(ToyParams(), TRAIN, ParallelConfig(), groups)

@@ -25,4 +25,4 @@ def test_pp_benchmark_cpu_mode(tmp_path):
     # theory from the simulator: (P-1)/(M+P-1) = 1/5 for P=2, M=4 without interleaving; less with it
     assert abs(rows[0]["bubble_theory"] - rows[1]["bubble_theory"]) < 0.1
     assert rows[2]["bubble_theory"] < rows[1]["bubble_theory"]
-    assert "| 1f1b | 4 |" in proc.stdout
+    assert "| 1f1b | [2, 2] | 4 |" in proc.stdout

@@ -12,7 +12,7 @@ from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig
 from moe_launch.errors import ConfigError
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.pipeline.split import balanced_split, check_split, chunk_layers
-from moe_launch.trainer.pipeline.stage import build_stage_model, parameter_counts
+from moe_launch.trainer.pipeline.stage import balance_costs, build_stage_model, parameter_counts
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -47,8 +47,9 @@ def test_param_balance_counts_embedding_and_head():
     layers, embed, head = parameter_counts(cfg)
     full = build_model(cfg)
     assert sum(layers) + embed + head == sum(p.numel() for p in full.parameters())
-    by_layers = chunk_layers(8, 4, [], "layers", layers, embed, head)
-    by_params = chunk_layers(8, 4, [], "params", layers, embed, head)
+    assert balance_costs(cfg, "params") == ([float(n) for n in layers], float(embed), float(head))
+    by_layers = chunk_layers(8, 4, [], *balance_costs(cfg, "layers"))
+    by_params = chunk_layers(8, 4, [], *balance_costs(cfg, "params"))
     assert by_layers == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
 
     def worst(ranges):
@@ -61,6 +62,18 @@ def test_param_balance_counts_embedding_and_head():
     assert worst(by_params) == optimum < worst(by_layers)
     # embedding and head are each worth ~4 layers here: the end chunks get a single layer
     assert len(by_params[0]) == len(by_params[-1]) == 1
+
+
+def test_flops_balance_weighs_active_experts_and_the_head():
+    olmoe = ModelConfig(vocab_size=50304, d_model=2048, n_layers=8, n_heads=16, max_seq_len=4096,
+                        moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=1024))
+    layers, embed, head = balance_costs(olmoe, "flops")
+    assert embed == 0 and 1.3 < head / layers[0] < 1.7  # the head costs about 1.5 layers of compute
+    # PP=2: the head's stage gets 3 layers (3 + 1.5 vs 5), where parameter balance (all 64 experts count) gives 4 / 4
+    assert chunk_layers(8, 2, [], *balance_costs(olmoe, "flops")) == [range(0, 5), range(5, 8)]
+    assert chunk_layers(8, 2, [], *balance_costs(olmoe, "params")) == [range(0, 4), range(4, 8)]
+    with pytest.raises(ConfigError, match="parallel.pp_balance"):
+        balance_costs(olmoe, "bytes")
 
 
 @pytest.mark.parametrize("kind", ["moe", "dense"])

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from interop.hf_helpers import random_token_dataset
+
 from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import (
     ClusterConfig,
@@ -23,7 +24,6 @@ from moe_launch.conf.schema import (
     TrainConfig,
 )
 from moe_launch.orchestrator.report import last_per_step, load_matrix, main_report, make_plots, read_run, step_times
-
 from moe_launch.rundir import RunDir, append_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

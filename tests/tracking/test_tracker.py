@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.tracking import Tracker
 from moe_launch.trainer.tracking.flops import active_matmul_params, flops_per_token, mfu
 from moe_launch.trainer.tracking.scalars import layer_load, to_scalars
 from moe_launch.trainer.tracking.tracker import trackio_available
-
-from moe_launch.errors import ConfigError
 
 
 def _record(step: int) -> dict:

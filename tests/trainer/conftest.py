@@ -1,31 +1,9 @@
-"""Shared pieces of the trainer tests: one built-in dataset per session, tiny configs, rank launchers."""
+"""Fixtures of the trainer tests; the helpers live in trainer_harness.py."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
-from helpers_net import free_port
-from moe_launch.conf.load import dump_config
-from moe_launch.conf.schema import (
-    ClusterConfig,
-    DataConfig,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    RootConfig,
-    TrainConfig,
-)
-
-from moe_launch.rundir import RunDir
-
-REPO = Path(__file__).resolve().parents[2]
-VOCAB = 512
-SEQ = 32
+import torch
 
 
 @pytest.fixture(scope="session")
@@ -34,44 +12,10 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-def tiny_cfg(data_cache: str, dp: int = 1, ep: int = 1, optimizer_sharding: str = "none", **train) -> RootConfig:
-    model = ModelConfig(name="test_moe", kind="moe", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
-                        max_seq_len=SEQ, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden=32))
-    t = dict(steps=8, global_batch_size=4, micro_batch_size=2, seq_len=SEQ, lr=3e-3, min_lr=3e-4, warmup_steps=2,
-             ckpt_interval=2, deterministic=True, progress=False)
-    t.update(train)
-    return RootConfig(model=model, parallel=ParallelConfig(dp=dp, ep=ep, optimizer_sharding=optimizer_sharding),
-                      train=TrainConfig(**t), data=DataConfig(cache_dir=data_cache, workers=1),
-                      cluster=ClusterConfig(kind="local", nodes=dp * ep, tasks_per_node=1))
 
-
-def write_run(root: Path, cfg: RootConfig) -> RunDir:
-    rd = RunDir(root).make()
-    dump_config(cfg, rd.config)
-    return rd
-
-
-def launch_ranks(rd: RunDir, world: int, attempt: int = 0, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Run `python -m moe_launch.trainer` once per rank (torchrun-style env), each rank on its own "node"."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), MOE_LAUNCH_NODE=f"node{r}", OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "moe_launch.trainer", "--run-dir", str(rd.root), "--attempt", str(attempt)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out = []
-    try:
-        for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
-
-
-__all__ = ["tiny_cfg", "write_run", "launch_ranks", "replace"]
+@pytest.fixture(autouse=True)
+def _restore_determinism():
+    """In-process Trainers switch torch's deterministic mode on; later tests of the suite must not inherit it."""
+    before = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(before)

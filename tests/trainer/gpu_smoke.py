@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import torch
+
 from moe_launch.conf.presets import MODELS
 from moe_launch.conf.schema import ClusterConfig, DataConfig, ParallelConfig, RootConfig, TrainConfig
+from moe_launch.rundir import RunDir, read_jsonl
 from moe_launch.trainer.dist import detect_env, init_distributed, pick_device, shutdown
 from moe_launch.trainer.loop import Trainer
-
-from moe_launch.rundir import RunDir, read_jsonl
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from moe_launch.trainer.checkpoint.store import (
     MANIFEST,
     choose_resume_slot,

@@ -1,9 +1,9 @@
 """Rank / rendezvous detection from torchrun and Slurm environments (pure)."""
 
 import pytest
-from moe_launch.trainer.dist import detect_env
 
 from moe_launch.errors import ConfigError
+from moe_launch.trainer.dist import detect_env
 
 
 def _no_scontrol(nodelist):

@@ -4,13 +4,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import DataError
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.model.upcycle import upcycle_dense_state
 from moe_launch.trainer.moe.layer import MoELayer
 from moe_launch.trainer.moe.losses import expert_counts, load_balancing_loss, router_z_loss
-
-from moe_launch.errors import DataError
 
 torch.set_num_threads(1)
 

@@ -3,6 +3,7 @@
 from dataclasses import replace
 
 import pytest
+
 from moe_launch.conf.schema import TrainConfig
 from moe_launch.trainer.optim import clip_norm_at, lr_at
 

@@ -3,12 +3,12 @@
 import json
 
 import torch
-from conftest import launch_ranks, tiny_cfg, write_run
+from trainer_harness import launch_ranks, tiny_cfg, write_run
+
 from moe_launch.conf.schema import FaultInjection
+from moe_launch.rundir import EXIT_OK, EXIT_SOFT_FAULT, read_jsonl
 from moe_launch.trainer.checkpoint.store import choose_resume_slot, read_manifest
 from moe_launch.trainer.loop import Trainer
-
-from moe_launch.rundir import EXIT_OK, EXIT_SOFT_FAULT, read_jsonl
 
 torch.set_num_threads(1)
 

@@ -8,12 +8,12 @@ import sys
 import time
 
 import torch
-from conftest import REPO, tiny_cfg, write_run
+from trainer_harness import REPO, tiny_cfg, write_run
+
 from moe_launch.conf.schema import FaultInjection
+from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, read_jsonl
 from moe_launch.trainer.checkpoint.store import choose_resume_slot
 from moe_launch.trainer.loop import Trainer
-
-from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, read_jsonl
 
 torch.set_num_threads(1)
 

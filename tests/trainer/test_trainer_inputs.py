@@ -1,12 +1,12 @@
 """Bad input through the real entry point: exit code 2 (EXIT_CONFIG) and a message naming the key and the fix."""
 
 import numpy as np
-from conftest import tiny_cfg, write_run
-from moe_launch.trainer.__main__ import main
-from moe_launch.trainer.data.shards import ShardIndex, write_index, write_shard
 from omegaconf import OmegaConf
+from trainer_harness import tiny_cfg, write_run
 
 from moe_launch.rundir import EXIT_CONFIG
+from moe_launch.trainer.__main__ import main
+from moe_launch.trainer.data.shards import ShardIndex, write_index, write_shard
 
 
 def _tiny_dataset(path, rows_NL: np.ndarray, seq_len: int = 32) -> str:

@@ -3,11 +3,11 @@
 
 import pytest
 import torch
+
 from moe_launch.conf.presets import MODELS
 from moe_launch.conf.schema import ClusterConfig, DataConfig, ParallelConfig, RootConfig, TrainConfig
-from moe_launch.trainer.loop import Trainer
-
 from moe_launch.rundir import EXIT_OK, RunDir, read_jsonl
+from moe_launch.trainer.loop import Trainer
 
 torch.set_num_threads(1)
 

@@ -4,10 +4,10 @@ import json
 import os
 
 import torch
-from conftest import tiny_cfg, write_run
-from moe_launch.trainer.loop import Trainer
+from trainer_harness import tiny_cfg, write_run
 
 from moe_launch.rundir import EXIT_OK, read_jsonl
+from moe_launch.trainer.loop import Trainer
 
 torch.set_num_threads(1)
 

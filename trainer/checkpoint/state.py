@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from moe_launch.trainer.checkpoint import layout
-from moe_launch.trainer.checkpoint.store import load_file, verify, write_checkpoint
-from moe_launch.trainer.dist import Comm
 from torch import nn
 
 from moe_launch.errors import CheckpointError
+from moe_launch.trainer.checkpoint import layout
+from moe_launch.trainer.checkpoint.store import load_file, verify, write_checkpoint
+from moe_launch.trainer.dist import Comm
 
 
 def model_part(model: nn.Module, part: str) -> dict[str, torch.Tensor]:

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-from moe_launch.trainer.dist import Comm
 
 from moe_launch.errors import CheckpointError
+from moe_launch.trainer.dist import Comm
 
 MANIFEST = "manifest.json"
 SLOTS = ("ckpt-a", "ckpt-b")

@@ -16,13 +16,13 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
 from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint.store import load_file, read_manifest, verify, write_checkpoint
 from moe_launch.trainer.dist import Comm
-from torch import nn
-
-from moe_launch.errors import CheckpointError
 
 _EXPERT_FILE = re.compile(r"model/experts-ep(\d+)\.pt$")
 

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from moe_launch.conf.schema import ModelConfig
-from moe_launch.trainer.interop.hf_config import check_compatible, hf_config_from_model, read_hf_config
 from torch import nn
 
+from moe_launch.conf.schema import ModelConfig
 from moe_launch.errors import CheckpointError
+from moe_launch.trainer.interop.hf_config import check_compatible, hf_config_from_model, read_hf_config
 
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 _EXPERT = {"w_gate_EFD": "gate_proj", "w_up_EFD": "up_proj", "w_down_EDF": "down_proj"}

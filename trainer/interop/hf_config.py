@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moe_launch.conf.schema import ModelConfig
-
 from moe_launch.errors import ConfigError
 
 # Extra key we write into config.json so a round trip restores kind=dense (transformers ignores unknown keys).

@@ -15,11 +15,11 @@ import dataclasses
 from pathlib import Path
 
 import torch
+
 from moe_launch.conf.schema import ModelConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.interop.gather import full_state_from_checkpoint, write_model_checkpoint
 from moe_launch.trainer.model.upcycle import upcycle_dense_state
-
-from moe_launch.errors import ConfigError
 
 
 def _check_shapes(dense_cfg: ModelConfig, moe_cfg: ModelConfig) -> None:

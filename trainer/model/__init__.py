@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
 from moe_launch.conf.schema import ModelConfig
 from moe_launch.trainer.model.init import init_weights
 from moe_launch.trainer.model.transformer import LossParts, Transformer

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from moe_launch.conf.schema import ModelConfig
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
-from torch import nn
 
 
 class Attention(nn.Module):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from moe_launch.trainer.model.norm import RMSNorm
 from torch import nn
+
+from moe_launch.trainer.model.norm import RMSNorm
 
 
 def _seed(*parts: object) -> int:

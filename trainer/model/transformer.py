@@ -10,15 +10,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from moe_launch.conf.schema import ModelConfig
+from moe_launch.errors import DataError
 from moe_launch.trainer.model.attention import Attention
 from moe_launch.trainer.model.mlp import SwiGLU
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
 from moe_launch.trainer.moe.layer import MoELayer, RouterStats
-from torch import nn
-
-from moe_launch.errors import DataError
 
 
 class Block(nn.Module):

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
+
 from moe_launch.conf.schema import MoEConfig
+from moe_launch.errors import ConfigError
 from moe_launch.trainer.moe.losses import expert_counts, load_balancing_loss, router_z_loss
 from moe_launch.trainer.moe.reference import experts_reference
 from moe_launch.trainer.moe.router import Router
-from torch import nn
-
-from moe_launch.errors import ConfigError
 
 ExpertsFn = Callable[..., torch.Tensor]
 

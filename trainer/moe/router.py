@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from moe_launch.conf.schema import MoEConfig
 from torch import nn
+
+from moe_launch.conf.schema import MoEConfig
 
 
 @dataclass

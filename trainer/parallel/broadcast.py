@@ -8,9 +8,10 @@ same experts); everything else is replicated over DP × EP and is broadcast with
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from moe_launch.trainer.parallel.comm import broadcast_
 from moe_launch.trainer.parallel.groups import Groups
-from torch import nn
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 from moe_launch.trainer.parallel.groups import Axis
 
 # torch 2.13 renamed the *_tensor collectives to *_single; older torch (e.g. on a GPU image) has only the old names

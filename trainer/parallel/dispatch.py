@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from moe_launch.trainer.parallel.dispatch_allgather import AllGatherDispatch
-from moe_launch.trainer.parallel.dispatch_alltoall import AllToAllDispatch
-from moe_launch.trainer.parallel.groups import Axis, Groups
 from torch import nn
 
 from moe_launch.errors import ConfigError
+from moe_launch.trainer.parallel.dispatch_allgather import AllGatherDispatch
+from moe_launch.trainer.parallel.dispatch_alltoall import AllToAllDispatch
+from moe_launch.trainer.parallel.groups import Axis, Groups
 
 DISPATCHERS: dict[str, Callable[[Axis], Any]] = {"allgather": AllGatherDispatch, "alltoall": AllToAllDispatch}
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from moe_launch.trainer.parallel.autograd_comm import all_gather_rows, reduce_scatter_rows
+
+from moe_launch.trainer.parallel.autograd_comm import all_gather_rows, keep_in_graph, reduce_scatter_rows
 from moe_launch.trainer.parallel.groups import Axis
 
 
@@ -24,11 +25,11 @@ class AllGatherDispatch:
 
     def __call__(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, layer: Any) -> torch.Tensor:
         # every rank of the EP group must bring the same T (same micro-batch shape): the collectives need equal rows
-        x_RD = all_gather_rows(x_TD, self.ep)
-        idx_RK = all_gather_rows(idx_TK, self.ep)
-        w_RK = all_gather_rows(w_TK, self.ep)
+        x_RD, w_RK = all_gather_rows(self.ep, x_TD, w_TK)  # one node: one backward order on every rank
+        (idx_RK,) = all_gather_rows(self.ep, idx_TK)
         y_RD = layer.experts_fn(x_RD, idx_RK, w_RK, layer.w_gate_EFD, layer.w_up_EFD, layer.w_down_EDF,
                                 e_start=layer.e_start)
+        y_RD = keep_in_graph(y_RD, x_RD, w_RK)  # no local pairs: still join the backward reduce-scatter
         return reduce_scatter_rows(y_RD, self.ep)
 
     def __repr__(self) -> str:

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from moe_launch.trainer.parallel.autograd_comm import all_to_all_rows
+
+from moe_launch.trainer.parallel.autograd_comm import all_to_all_rows, keep_in_graph
 from moe_launch.trainer.parallel.groups import Axis
 
 
@@ -49,6 +50,7 @@ class AllToAllDispatch:
         ones_Q1 = torch.ones(idx_Q1.shape, dtype=w_TK.dtype, device=w_TK.device)
         y_QD = layer.experts_fn(x_QD, idx_Q1, ones_Q1, layer.w_gate_EFD, layer.w_up_EFD, layer.w_down_EDF,
                                 e_start=layer.e_start)
+        y_QD = keep_in_graph(y_QD, x_QD)  # nothing received: still join both backward all-to-alls
         y_PD = all_to_all_rows(y_QD, send_rows, recv_rows, self.ep)
 
         w_P1 = w_TK.reshape(-1).index_select(0, order_P).unsqueeze(1).to(y_PD.dtype)

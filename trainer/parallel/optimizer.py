@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from moe_launch.trainer.parallel.comm import all_gather, all_reduce_, reduce_scatter, self_axis
-from moe_launch.trainer.parallel.groups import Axis, Groups
 from torch import nn
 
 from moe_launch.errors import CheckpointError, ConfigError
+from moe_launch.trainer.parallel.comm import all_gather, all_reduce_, reduce_scatter, self_axis
+from moe_launch.trainer.parallel.groups import Axis, Groups
 
 STRATEGIES = ("none", "zero1", "epso")
 

@@ -17,10 +17,10 @@ import math
 from typing import Any, Callable
 
 import torch
-from moe_launch.trainer.parallel.groups import coords_of, rank_of
-from moe_launch.trainer.parallel.optimizer import ShardedAdamW
 
 from moe_launch.errors import CheckpointError
+from moe_launch.trainer.parallel.groups import coords_of, rank_of
+from moe_launch.trainer.parallel.optimizer import ShardedAdamW
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 

@@ -36,7 +36,7 @@ from moe_launch.trainer.pipeline.plan import Compute, Exchange, Message, Op, bui
     is_local, output_message
 from moe_launch.trainer.pipeline.schedule import Action, build_schedule
 from moe_launch.trainer.pipeline.split import chunk_layers
-from moe_launch.trainer.pipeline.stage import ChunkOut, StageModel, build_stage_model, parameter_counts
+from moe_launch.trainer.pipeline.stage import ChunkOut, StageModel, balance_costs, build_stage_model
 
 
 @dataclass
@@ -80,9 +80,8 @@ def build_pipeline(model_cfg: Any, parallel_cfg: Any, groups: Groups,
         raise ConfigError("parallel.pp", f"{parallel_cfg.pp} but the process groups have pp={pp}",
                           "build the groups from the same parallel config")
     n_chunks = pp * v
-    layer_params, embed_params, head_params = parameter_counts(model_cfg)
-    ranges = chunk_layers(model_cfg.n_layers, n_chunks, list(parallel_cfg.pp_split), parallel_cfg.pp_balance,
-                          layer_params, embed_params, head_params)
+    ranges = chunk_layers(model_cfg.n_layers, n_chunks, list(parallel_cfg.pp_split),
+                          *balance_costs(model_cfg, parallel_cfg.pp_balance))
     build_schedule(parallel_cfg.pp_schedule, pp, max(parallel_cfg.microbatches, pp), v)  # config errors now, not mid-run
     mine = {c: ranges[c] for c in range(n_chunks) if c % pp == groups.pp_rank}
     model = build_stage_model(model_cfg, mine, n_chunks, groups.ep_rank, groups.ep_size, device)

@@ -1,11 +1,12 @@
 """Which layers go to which model chunk: a given split, or contiguous chunks balanced by parameter count. Pure.
 
 The embedding always lives on chunk 0 and the final norm + output head on the last chunk (so the tokens enter and the
-loss is computed where the data is). What is configurable is whether they count in the balance: with
-`parallel.pp_balance=params` their parameters weigh on the first / last chunk, which then get fewer layers (OLMoE's
-50k x 2048 embedding is about a quarter of a dense layer); `layers` counts only the layers; `parallel.pp_split`
-gives the layer count of every chunk explicitly (a chunk may hold 0 layers if it holds the embedding or the head,
-e.g. [0, 4, 4] puts the embedding alone on the first stage).
+loss is computed where the data is). What is configurable is how they weigh in the balance (`parallel.pp_balance`,
+costs from stage.balance_costs): `flops` (forward FLOPs per token: an MoE layer counts its top-k experts only, the
+embedding ~0, the output head 2*D*V, which for OLMoE is about 1.5 layers), `params` (parameter counts: memory
+balance; an MoE layer counts all its experts) or `layers` (layers only). `parallel.pp_split` gives the layer count of
+every chunk explicitly (a chunk may hold 0 layers if it holds the embedding or the head, e.g. [0, 4, 4] puts the
+embedding alone on the first stage).
 """
 
 from __future__ import annotations
@@ -68,13 +69,9 @@ def balanced_split(layer_costs: list[float], n_chunks: int, first_extra: float =
     return bounds[::-1]
 
 
-def chunk_layers(n_layers: int, n_chunks: int, split: list[int], balance: str, layer_params: list[int],
-                 embed_params: int, head_params: int) -> list[range]:
-    """The layer range of every chunk from the parallel config's choices."""
+def chunk_layers(n_layers: int, n_chunks: int, split: list[int], layer_costs: list[float], first_extra: float,
+                 last_extra: float) -> list[range]:
+    """The layer range of every chunk: the given split if any, else balanced with these costs."""
     if split:
         return check_split(list(split), n_layers, n_chunks)
-    if balance == "layers":
-        return balanced_split([1.0] * n_layers, n_chunks)
-    if balance == "params":
-        return balanced_split([float(p) for p in layer_params], n_chunks, float(embed_params), float(head_params))
-    raise ConfigError("parallel.pp_balance", f"got {balance!r}", "use params or layers")
+    return balanced_split(list(layer_costs), n_chunks, first_extra, last_extra)

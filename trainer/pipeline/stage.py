@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_launch.conf.schema import ModelConfig
-from moe_launch.errors import DataError
+from moe_launch.errors import ConfigError, DataError
 from moe_launch.trainer.model.init import init_weights
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
@@ -87,6 +87,28 @@ def parameter_counts(cfg: ModelConfig) -> tuple[list[int], int, int]:
     embed = cfg.vocab_size * cfg.d_model
     head = cfg.vocab_size * cfg.d_model + cfg.d_model
     return [per_layer] * cfg.n_layers, embed, head
+
+
+def forward_flops(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float, float]:
+    """(per layer, embedding, final norm + head) forward FLOPs per token: projections 2*4*D^2, causal attention
+    2*S*D, router 2*D*E and top-k SwiGLU experts 3*2*D*F*K (MoE) or 3*2*D*H (dense); head 2*D*V."""
+    D = cfg.d_model
+    ffn = (2 * D * cfg.moe.num_experts + 6 * D * cfg.moe.expert_hidden * cfg.moe.top_k if cfg.kind == "moe"
+           else 6 * D * cfg.ffn_hidden)
+    layer = 8 * D * D + 2 * seq_len * D + ffn
+    return [float(layer)] * cfg.n_layers, 0.0, float(2 * D * cfg.vocab_size)
+
+
+def balance_costs(cfg: ModelConfig, balance: str) -> tuple[list[float], float, float]:
+    """(per layer, embedding, head) costs that `parallel.pp_balance` balances (see split.py)."""
+    if balance == "flops":
+        return forward_flops(cfg, cfg.max_seq_len)
+    if balance == "params":
+        layers, embed, head = parameter_counts(cfg)
+        return [float(n) for n in layers], float(embed), float(head)
+    if balance == "layers":
+        return [1.0] * cfg.n_layers, 0.0, 0.0
+    raise ConfigError("parallel.pp_balance", f"got {balance!r}", "use flops, params or layers")
 
 
 def build_stage_model(cfg: ModelConfig, chunk_ranges: dict[int, range], n_chunks: int, ep_rank: int = 0,

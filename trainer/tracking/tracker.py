@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
-from moe_launch.trainer.tracking.flops import mfu
-from moe_launch.trainer.tracking.scalars import to_scalars
 
 from moe_launch.errors import ConfigError
 from moe_launch.rundir import RunDir
+from moe_launch.trainer.tracking.flops import mfu
+from moe_launch.trainer.tracking.scalars import to_scalars
 
 BACKENDS = ("tensorboard", "trackio")
 
