@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from moe_launch.health.alltoall import format_table, measure_size, size_ladder
 from moe_launch.health.gpu_check import compute_check
 

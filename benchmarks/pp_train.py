@@ -93,6 +93,7 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
     theory = simulate(pipe.orders(args.microbatches), t_fwd=t_f, t_bwd=t_b, virtual=virtual)
     tokens = args.microbatches * args.mbs * args.seq
     median = statistics.median(times)
+    chunk_layers = [len(r) for r in pipe.chunk_ranges]
     del pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -101,7 +102,7 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
             "bubble_measured": bubble_measured, "bubble_theory": theory.bubble_fraction,
             "chunk_fwd_ms": 1e3 * t_f, "chunk_bwd_ms": 1e3 * t_b, "peak_mem_gib": float(peak),
             "busy_s_per_stage": busy_per_stage, "timed_step_s": wall, "balance": args.balance,
-            "chunk_layers": [len(r) for r in pipe.chunk_ranges],
+            "chunk_layers": chunk_layers,
             "recompute": list(args.recompute)}
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moe_launch.health.alltoall import A2ARow
-
 from moe_launch.rundir import write_json_atomic
 
 

@@ -22,15 +22,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from moe_launch.conf.presets import CLUSTERS
-from moe_launch.conf.schema import ClusterConfig, HealthConfig
-from moe_launch.health import report, store
-from moe_launch.health.preflight import PreflightResult, run_preflight
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from moe_launch.conf.presets import CLUSTERS
+from moe_launch.conf.schema import ClusterConfig, HealthConfig
 from moe_launch.errors import ConfigError, MoeLaunchError
+from moe_launch.health import report, store
+from moe_launch.health.preflight import PreflightResult, run_preflight
 
 
 def expand_nodes(spec: str) -> list[str]:

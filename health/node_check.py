@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
+
 from moe_launch.conf.schema import HealthConfig
 from moe_launch.health.alltoall import this_node
 from moe_launch.health.dcgm import run_dcgm
 from moe_launch.health.gpu_check import compute_check, local_devices
 from moe_launch.health.result import CHECK_COMPUTE, CheckResult
-from omegaconf import OmegaConf
-
 from moe_launch.rundir import write_json_atomic
 
 

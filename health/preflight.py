@@ -27,7 +27,6 @@ from moe_launch.health.alltoall import A2ARow, default_max_bytes, size_ladder
 from moe_launch.health.exec import TaskOutcome, python_exe, run_per_node, run_ranks
 from moe_launch.health.isolate import GroupMeasurement, IsolationResult, isolate
 from moe_launch.health.result import CHECK_ALLTOALL, CHECK_COMPUTE, CHECK_ISOLATION, CHECK_TASK, CheckResult
-
 from moe_launch.rundir import write_json_atomic
 
 

@@ -16,9 +16,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
+from rich.table import Table
+
 from moe_launch.health.result import CHECK_ALLTOALL
 from moe_launch.health.store import NODE_CHECKS
-from rich.table import Table
 
 _SPARK = "▁▂▃▄▅▆▇█"
 _STATUS_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red", "unavailable": "dim"}

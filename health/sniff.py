@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
 from moe_launch.health.alltoall import chunk_elems, pattern, this_node
 
 REL_MARGIN = 0.10  # slower than the others by more than 10% ...

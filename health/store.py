@@ -18,7 +18,6 @@ from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import HealthConfig
 from moe_launch.health.result import CHECK_COMPUTE, CHECK_DCGM, CHECK_ISOLATION, CHECK_TASK, CheckResult
-
 from moe_launch.rundir import append_jsonl, read_jsonl, write_json_atomic
 
 NODE_CHECKS = (CHECK_DCGM, CHECK_COMPUTE, CHECK_TASK, CHECK_ISOLATION)

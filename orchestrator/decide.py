@@ -28,7 +28,6 @@ from moe_launch.orchestrator.events import (
     SuspectChecked,
 )
 from moe_launch.orchestrator.state import Action, SupervisorState
-
 from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED
 
 IGNORE = Action(kind="ignore")
@@ -69,8 +68,9 @@ def _initial_launch(state: SupervisorState, ev: PreflightDone) -> Action:
             reason=f"only {len(healthy)} healthy node(s) for cluster.nodes={state.want} "
                    f"(failed preflight: {_names(failed) or 'none'}); allocate more cluster.buffers or fix the nodes",
         )
+    note = f", failed: {_names(failed)}" if failed else ""
     return Action(kind="launch", nodes=healthy[: state.want], buffers=healthy[state.want:], exclude=failed,
-                  reason=f"preflight passed on {len(healthy)} node(s)" + (f", failed: {_names(failed)}" if failed else ""))
+                  reason=f"preflight passed on {len(healthy)} node(s){note}")
 
 
 def _swap_out(state: SupervisorState, out: tuple[str, ...], why: str, *, exclude: bool,

@@ -60,8 +60,9 @@ class LocalStep:
         node, rc = self.first_bad
         code = rc if rc > 0 else 128 - rc
         what = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        killed = f"; tasks killed on {', '.join(dead)}" if dead else ""
         return StepResult(code=code, dead_nodes=dead, failed_nodes=failed,
-                          detail=f"first bad exit: {node} ({what})" + (f"; tasks killed on {', '.join(dead)}" if dead else ""))
+                          detail=f"first bad exit: {node} ({what}){killed}")
 
     def terminate(self, signal_name: str = "USR2") -> None:
         sig = getattr(signal, f"SIG{signal_name}")

@@ -107,7 +107,8 @@ def handle_alive(kind: str, handle: str) -> bool:
 
 def handles(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The allocations the login side started, oldest first (journal kinds start / resubmit)."""
-    return [r["details"] for r in records if r.get("kind") in ("start", "resubmit") and "handle" in r.get("details", {})]
+    return [r["details"] for r in records
+            if r.get("kind") in ("start", "resubmit") and "handle" in r.get("details", {})]
 
 
 def submit(cfg: RootConfig, rd: RunDir, p: LaunchPlan) -> str:

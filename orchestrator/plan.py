@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import RootConfig
-
 from moe_launch.errors import ConfigError
 
 # characters that neither a shell word nor an #SBATCH line can carry safely, even quoted

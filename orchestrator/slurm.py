@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Optional
 
 from moe_launch.conf.schema import ClusterConfig
+from moe_launch.errors import SubmissionError
 from moe_launch.orchestrator.backend import StepResult
 from moe_launch.orchestrator.plan import PartitionInfo
-
-from moe_launch.errors import SubmissionError
 
 _TIMEOUT_S = 30.0
 _BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "powered_down", "not_responding")
@@ -37,7 +36,8 @@ def _run(argv: list[str], timeout: float = _TIMEOUT_S, check: bool = True) -> su
     except (OSError, subprocess.TimeoutExpired) as e:
         raise SubmissionError(f"`{' '.join(argv)}` failed: {e}. Is Slurm installed and slurmctld up (`sinfo`)?") from e
     if check and proc.returncode != 0:
-        raise SubmissionError(f"`{' '.join(argv)}` exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-800:]}")
+        tail = (proc.stderr or proc.stdout).strip()[-800:]
+        raise SubmissionError(f"`{' '.join(argv)}` exited {proc.returncode}: {tail}")
     return proc
 
 

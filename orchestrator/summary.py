@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from moe_launch.orchestrator.state import SupervisorState
-
 from moe_launch.rundir import RunDir, read_jsonl, write_json_atomic
 
 

@@ -41,7 +41,6 @@ from moe_launch.orchestrator.plan import trainer_argv
 from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
-
 from moe_launch.rundir import RunDir, journal_event, read_jsonl
 
 STOP_FILE = "STOP"
@@ -240,7 +239,8 @@ def _resubmits(records: list[dict[str, Any]]) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moe_launch.orchestrator.supervisor", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m moe_launch.orchestrator.supervisor",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--run-dir", required=True, type=Path)
     args = ap.parse_args(argv)
     rd = RunDir(args.run_dir.absolute()).make()

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moe_launch.orchestrator.events import Event, Fault, Hang, LaunchTimeout
-
 from moe_launch.rundir import RunDir
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from moe_launch.health import baselines
 from moe_launch.health.alltoall import (
     A2ARow,

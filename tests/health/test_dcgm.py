@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from moe_launch.conf.schema import DcgmConfig
 from moe_launch.health.dcgm import (
     DATA_DIR,

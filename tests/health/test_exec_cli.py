@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+
 from moe_launch.conf.schema import ClusterConfig
+from moe_launch.errors import ConfigError
 from moe_launch.health.cli import expand_nodes, load_configs
 from moe_launch.health.cli import main as health_cli
 from moe_launch.health.exec import rank_env, run_per_node, srun_argv
-
-from moe_launch.errors import ConfigError
 
 
 def test_srun_argv_outside_and_inside_an_allocation():

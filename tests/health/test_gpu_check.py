@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from moe_launch.health.gpu_check import compute_check, known_operands, verify_product
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from moe_launch.health.isolate import GroupMeasurement, group_is_bad, isolate, isolation_cut
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from moe_launch.conf.schema import AllToAllConfig, ClusterConfig, DcgmConfig, HealthConfig
 from moe_launch.health import store
 from moe_launch.health.cli import main as health_cli

@@ -9,6 +9,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from moe_launch.health.sniff import AllToAllSniffer, find_stragglers
 
 

@@ -9,12 +9,13 @@ import shutil
 import subprocess
 
 import pytest
+from rich.console import Console
+
 from moe_launch.conf.schema import HealthConfig
 from moe_launch.health import report, store
 from moe_launch.health.cli import main as health_cli
 from moe_launch.health.cli import parse_since
 from moe_launch.health.result import CheckResult
-from rich.console import Console
 
 HOUR = 3600.0
 NOW = 1_800_000_000.0

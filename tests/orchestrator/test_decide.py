@@ -17,7 +17,6 @@ from moe_launch.orchestrator.events import (
     SuspectChecked,
 )
 from moe_launch.orchestrator.state import Action, apply, initial_state, replay
-
 from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_PREEMPTED, journal_event, read_jsonl
 
 

@@ -8,8 +8,17 @@ import time
 
 import pytest
 from e2e_util import (
-    FAST, finish, first, kill_ranks_on, metrics_step, newest_checkpoint_step, start, story, supervisor_resume,
-    trainer_resume, wait_for,
+    FAST,
+    finish,
+    first,
+    kill_ranks_on,
+    metrics_step,
+    newest_checkpoint_step,
+    start,
+    story,
+    supervisor_resume,
+    trainer_resume,
+    wait_for,
 )
 from slurm.helpers import kill_node, restore_nodes
 
@@ -32,7 +41,8 @@ def assert_swap_story(journal, summary, out_node, in_node, t_fail):
 
 def test_slurm_trains_to_completion_and_survives_killed_node_processes(slurm_cluster, tmp_path):
     """cluster.nodes=2 cluster.buffers=2; every trainer process of the second node is SIGKILLed after a checkpoint."""
-    proc, rd = start(tmp_path, "kill", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=2", "health.preflight=false",
+    proc, rd = start(tmp_path, "kill", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=2",
+                     "health.preflight=false",
                      "train.steps=9", *FAST)
     wait_for(lambda: metrics_step(rd) >= 4, 240, "step 4")
     launch = [r for r in _journal(rd) if r["kind"] == "launch"][-1]  # the latest (an allocation may be resubmitted)

@@ -8,11 +8,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from moe_launch.conf.schema import ClusterConfig, ParallelConfig, RootConfig, RunConfig, TrainConfig
+from moe_launch.errors import ConfigError
 from moe_launch.orchestrator.plan import PartitionInfo, plan
 from moe_launch.orchestrator.render import render_sbatch
-
-from moe_launch.errors import ConfigError
 
 GOLDEN = Path(__file__).parent.parent / "golden"
 PART = PartitionInfo(name="debug", nodes=tuple(f"node{i}" for i in range(1, 7)), max_time_min=120)
@@ -73,8 +73,9 @@ def test_rendered_script_runs_hostile_values_as_plain_arguments(tmp_path):
     cfg = slurm_cfg(python="/usr/bin/printf")
     cfg.run.name = "x"
     p = plan(cfg, PART, run_dir=str(run_dir))
-    out = subprocess.run(["bash", "-c", render_sbatch(p).replace("exec /usr/bin/printf", "exec /usr/bin/printf '%s\\n'")],
-                         capture_output=True, text=True, cwd=tmp_path, check=True).stdout.splitlines()
+    script = render_sbatch(p).replace("exec /usr/bin/printf", "exec /usr/bin/printf '%s\\n'")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         check=True).stdout.splitlines()
     assert out == ["-m", "moe_launch.orchestrator.supervisor", "--run-dir", str(run_dir)]
     assert not list(tmp_path.rglob("pwned"))
 

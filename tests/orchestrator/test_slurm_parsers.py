@@ -7,7 +7,8 @@ from moe_launch.orchestrator.slurm import is_bad_state, parse_job_field, parse_s
 # srun's stderr when node5 was hard-failed during `srun -N 2 -w node4,node5 --kill-on-bad-exit=1 ...`
 NODE_FAILURE = """\
 srun: error: Node failure on node5
-slurmstepd-node4: error: *** STEP 7.0 ON node4 CANCELLED AT 2026-11-30T19:41:07 DUE TO NODE FAILURE, SEE SLURMCTLD LOG FOR DETAILS ***
+slurmstepd-node4: error: *** STEP 7.0 ON node4 CANCELLED AT 2026-11-30T19:41:07 DUE TO NODE FAILURE, SEE SLURMCTLD \
+LOG FOR DETAILS ***
 srun: Job step aborted: Waiting up to 7 seconds for job step to finish.
 srun: error: node4: task 0: Terminated
 srun: launch/slurm: _step_signal: Terminating StepId=7.0
@@ -27,7 +28,8 @@ SCONTROL_JOB = ("JobId=9 JobName=job.sh UserId=root(0) JobState=RUNNING Reason=N
 
 def test_srun_lines():
     parsed = [p for p in map(parse_srun_line, NODE_FAILURE.splitlines()) if p]
-    assert parsed == [("node_failure", "node5", "srun: error: Node failure on node5"), ("signal", "node4", "Terminated")]
+    assert parsed == [("node_failure", "node5", "srun: error: Node failure on node5"),
+                      ("signal", "node4", "Terminated")]
     parsed = [p for p in map(parse_srun_line, TASK_EXIT.splitlines()) if p]
     assert parsed == [("exit", "node5", "3"), ("signal", "node4", "Terminated"), ("signal", "node2", "Killed")]
     assert parse_srun_line("[rank0]: RuntimeError: Connection closed by peer") is None

@@ -12,7 +12,14 @@ import pytest
 
 from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import (
-    ClusterConfig, FaultInjection, HealthConfig, ParallelConfig, RootConfig, RunConfig, SupervisorConfig, TrainConfig,
+    ClusterConfig,
+    FaultInjection,
+    HealthConfig,
+    ParallelConfig,
+    RootConfig,
+    RunConfig,
+    SupervisorConfig,
+    TrainConfig,
 )
 from moe_launch.orchestrator.state import replay
 from moe_launch.orchestrator.supervisor import STOP_FILE, Supervisor
@@ -49,7 +56,8 @@ def kinds(journal):
 def test_clean_run_completes(tmp_path):
     code, summary, journal = run(*make_cfg(tmp_path))
     assert code == 0 and summary["status"] == "completed" and summary["steps_done"] == 12
-    assert summary["restarts"] == 0 and summary["excluded_nodes"] == [] and summary["final_nodes"] == ["local1", "local2"]
+    assert summary["restarts"] == 0 and summary["excluded_nodes"] == []
+    assert summary["final_nodes"] == ["local1", "local2"]
     assert kinds(journal)[:1] == ["allocation"] and "launch" in kinds(journal) and kinds(journal)[-1] == "done"
 
 
