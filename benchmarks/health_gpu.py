@@ -1,7 +1,8 @@
 """GPU health benchmark: the preflight compute check and the all-to-all, on real devices.
 
     python benchmarks/health_gpu.py                                   # compute check on GPU 0 (1xH200)
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/health_gpu.py   # + all-to-all over 2 GPUs (NCCL)
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/health_gpu.py --expect-busbw 338.0 --json a2a.json
+                                                                      # + all-to-all over 2 GPUs (NCCL)
     python benchmarks/health_gpu.py --cpu                             # tiny CPU mode (what CI can run)
     torchrun --nproc-per-node 2 benchmarks/health_gpu.py --cpu        # tiny all-to-all with gloo
 
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from moe_launch.health.alltoall import format_table, measure_size, size_ladder
+from moe_launch.health.baselines import judge_alltoall
 from moe_launch.health.gpu_check import compute_check
 
 
@@ -33,6 +35,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-bytes", type=int, default=0, help="largest all-to-all size per rank")
     p.add_argument("--gemm-size", type=int, default=0, help="GEMM M=N=K (default 8192 GPU, 256 CPU)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--expect-busbw", type=float, default=0.0,
+                   help="a recorded busbw (GB/s) at the largest size: judged as preflight does (>= 0.9x, 0 wrong)")
     return p.parse_args()
 
 
@@ -62,7 +66,7 @@ def main() -> int:
     if world > 1:
         dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(minutes=10))
     if rank == 0:
-        out = compute_check(device, size=a.gemm_size, iters=20 if on_gpu else 3)
+        out = compute_check(device, size=a.gemm_size, iters=50 if on_gpu else 3)
         print("== compute check (preflight's GEMM known-answer + memory fill) ==")
         print(_compute_table(out), flush=True)
         record["compute"] = out.to_dict()
@@ -81,6 +85,11 @@ def main() -> int:
             print(f"== all-to-all over {world} ranks ({backend}, fp32, {iters} iters, median of per-iteration max) ==")
             print(format_table(rows), flush=True)
             record["alltoall"] = [asdict(r) for r in rows]
+            if a.expect_busbw:
+                status, reasons = judge_alltoall(rows, a.expect_busbw, 0.9)
+                print(f"vs expected {a.expect_busbw} GB/s busbw at {rows[-1].bytes} B: "
+                      f"{rows[-1].busbw_gbs / a.expect_busbw:.3f}x -> {status} {'; '.join(reasons)}")
+                record["judged"] = {"expected_busbw_gbs": a.expect_busbw, "status": status, "reasons": reasons}
             record["nvls"] = os.environ.get("NCCL_NVLS_ENABLE")
         dist.destroy_process_group()
     if rank == 0 and a.json:

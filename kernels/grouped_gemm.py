@@ -169,7 +169,12 @@ def grouped_mm_wgrad_reference(a_NM, b_NK, offsets_E1):
     return c_EMK
 
 
+IMPLS = ("auto", "torch", "triton", "reference")
+
+
 def pick(impl: str, *tensors: torch.Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"grouped GEMM impl {impl!r} is not one of {IMPLS}")
     if impl == "auto":
         return "torch" if torch_path_ok(*tensors) else "triton"
     return impl

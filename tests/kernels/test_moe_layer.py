@@ -101,3 +101,11 @@ def test_autocast_runs_in_low_precision_and_returns_fp32_grads():
     assert rel_err(y.float(), want[0]) <= 5e-2
     for g, w in zip(grads, want[1:]):
         assert rel_err(g, w) <= 5e-2
+
+
+def test_no_tokens():
+    """An EP rank may receive no tokens at all: empty output, zero weight gradients."""
+    gen = torch.Generator().manual_seed(5)
+    idx, tensors = _inputs(0, 8, 16, 4, 4, 2, range(0), gen)
+    got = _run(fast_experts, idx, tensors, 0, torch.zeros(0, 8))
+    assert got[0].shape == (0, 8) and all(bool((g == 0).all()) for g in got[3:])

@@ -105,3 +105,22 @@ def test_lost_supervisor_is_resubmitted_and_the_run_resumes(tmp_path):
     assert summary["attempts"] == 2  # attempt numbers continue across allocations
     steps = [m["step"] for m in read_jsonl(rd / "metrics.jsonl")]
     assert min(s for a, s in zip(steps, steps[1:]) if s <= a) >= 8  # resumed from a checkpoint, not from scratch
+
+
+def test_preempted_trainer_is_resubmitted_and_resumes(tmp_path):
+    """Slurm's --signal=USR2@N (time limit / preemption) reaches every rank: the trainer checkpoints and exits 4, the
+    supervisor ends without a summary, and the login side resubmits."""
+    login = subprocess.Popen([MOE_LAUNCH, "run.name=pre", "train.steps=30", "train.step_sleep_s=0.1", *FAKE_RUN],
+                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rd = tmp_path / "runs" / "pre"
+    wait_for(lambda: [m for m in read_jsonl(rd / "metrics.jsonl") if m["step"] >= 5], 60, "step 5")
+    for path in (rd / "heartbeat").glob("rank*.json"):
+        os.kill(json.loads(path.read_text())["pid"], signal.SIGUSR2)
+    out, _ = login.communicate(timeout=120)
+    print(out[-2000:])
+    assert login.returncode == 0
+    journal = read_jsonl(rd / "journal.jsonl")
+    stop = next(r for r in journal if r["kind"] == "stop" and "action" in r["details"])
+    assert stop["details"]["action"]["status"] == "preempted"
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["resubmits"] == 1 and summary["restarts"] == 0

@@ -1,0 +1,236 @@
+"""Training-step benchmark (issue 11): our trainer's step against HF OlmoeForCausalLM, same shapes, same tokens.
+
+Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/train_step.py --out $OUT
+CPU smoke test:   python benchmarks/train_step.py --smoke
+Rows: our model (a) as the trainer runs it today (fp32 params + bf16 autocast, FastSparseMoE kernels, our sharded
+AdamW's fused flat update), (b) bf16 params with fp32 master weights inside the optimizer (no autocast re-casts),
+and HF's model with experts_implementation grouped_mm (fp32 master + autocast, fused torch AdamW), each at the 4-layer
+OLMoE shape (batch 4 x 4096) and the full 16-layer shape (batch 2 x 4096).
+MFU = (6*N_active + 6*L*d*S) * tokens / time / dense bf16 GEMM rate measured in this run, with
+N_active = L*(4d^2 + 3*K*d*F + d*E) + d*V (attention, the K active experts, router, output head; no input embedding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import time
+import traceback
+
+import torch
+
+from moe_launch.conf import presets
+from moe_launch.conf.schema import ParallelConfig, TrainConfig
+from moe_launch.trainer.model import build_model
+from moe_launch.trainer.parallel.groups import build_groups
+from moe_launch.trainer.parallel.optimizer import build_optimizer
+
+
+def flops_per_token(m, seq_len: int) -> float:
+    d, L = m.d_model, m.n_layers
+    per_layer = 4 * d * d + 3 * m.moe.top_k * d * m.moe.expert_hidden + d * m.moe.num_experts
+    n_active = L * per_layer + d * m.vocab_size
+    return 6 * n_active + 6 * L * d * seq_len
+
+
+def dense_rate(device, n: int) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    reps = 20
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_steps(step_fn, device, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        step_fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step_fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
+    torch.manual_seed(0)
+    model = build_model(model_cfg, device=device)
+    if bf16_params:
+        model.to(torch.bfloat16)  # fp32 master copies live in the optimizer's flat shards
+    groups = build_groups(ParallelConfig())
+    opt = build_optimizer(model, TrainConfig(), ParallelConfig(), groups)
+    use_autocast = device.type == "cuda" and not bf16_params
+    inputs, targets = batch_BS1[:, :-1], batch_BS1[:, 1:]
+    out = {}
+
+    def fwd_bwd():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            loss, _ = model.compute_loss(inputs, targets)
+        loss.backward()
+        return loss
+
+    def step():
+        loss = fwd_bwd()
+        opt.reduce_grads()
+        opt.clip_grad_norm_(1.0)
+        opt.step(1e-4)
+        opt.zero_grad()
+        out["loss"] = loss
+
+    times = timed_steps(step, device, warmup=2, iters=8 if device.type == "cuda" else 2)
+    res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
+    if phases:
+        res["phases_ms"] = phase_breakdown(model, opt, inputs, targets, device, use_autocast)
+    del model, opt
+    return res
+
+
+def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
+    """Each phase alone on the same activations: attention sublayer x L, MoE sublayer x L, head + CE, optimizer."""
+    L = len(model.blocks)
+    block = model.blocks[0]
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    x = torch.randn(*inputs.shape, model.cfg.d_model, device=device, dtype=dt, requires_grad=True)
+
+    def run(fn):
+        def go():
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                y = fn()
+            y.float().sum().backward()
+        return 1e3 * sorted(timed_steps(go, device, 2, 5))[2]
+
+    attn = run(lambda: block.attn(block.attn_norm(x))) * L
+    moe = run(lambda: block.ffn(block.ffn_norm(x))[0]) * L
+    head = run(lambda: torch.nn.functional.cross_entropy(
+        model.lm_head(model.norm(x)).float().flatten(0, 1), targets.flatten()))
+
+    def optim():
+        opt.reduce_grads()
+        opt.step(1e-4)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt_ms = 1e3 * sorted(timed_steps(optim, device, 1, 3))[1]
+    opt.zero_grad()
+    return {"attention": attn, "moe": moe, "head+ce": head, "optimizer": opt_ms}
+
+
+def hf(model_cfg, batch_BS1, device):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    m = model_cfg
+    hcfg = OlmoeConfig(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.moe.expert_hidden,
+                       num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_heads,
+                       num_experts=m.moe.num_experts, num_experts_per_tok=m.moe.top_k, max_position_embeddings=4096,
+                       norm_topk_prob=False, router_aux_loss_coef=m.moe.aux_loss_coef, output_router_logits=True,
+                       attn_implementation="sdpa")
+    hcfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    model = OlmoeForCausalLM(hcfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    out = {}
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=batch_BS1[:, :-1], labels=batch_BS1[:, :-1]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["loss"] = loss
+
+    times = timed_steps(step, device, warmup=2, iters=8 if device.type == "cuda" else 2)
+    res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
+    del model, opt
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default="", help="comma list of row names to run")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    base = presets.MODELS["olmoe_1b7b"]
+    if args.smoke:
+        shapes = [("smoke-2L", dataclasses.replace(base, n_layers=2, d_model=64, n_heads=4, vocab_size=512,
+                                                   moe=dataclasses.replace(base.moe, num_experts=8, top_k=2,
+                                                                           expert_hidden=32)), 2, 64)]
+        rate = dense_rate(device, 256)
+    else:
+        shapes = [("olmoe-4L", dataclasses.replace(base, n_layers=4), 4, 4096),
+                  ("olmoe-16L", base, 2, 4096)]
+        rate = dense_rate(device, 8192)
+    impl = "fast" if device.type == "cuda" else "reference"
+    rows = []
+    only = set(filter(None, args.only.split(",")))
+    for shape_name, m, B, S in shapes:
+        m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, impl=impl))
+        torch.manual_seed(1)
+        batch = torch.randint(0, m.vocab_size, (B, S + 1), device=device)
+        fpt = flops_per_token(m, S)
+        for name, fn in (
+            ("ours: fp32 params + autocast", lambda: ours(m, batch, device, bf16_params=False, phases=False)),
+            ("ours: bf16 params, fp32 master in optimizer", lambda: ours(m, batch, device, True, phases=True)),
+            ("HF OlmoeForCausalLM grouped_mm", lambda: hf(m, batch, device)),
+        ):
+            if only and name.split(":")[0] not in only:
+                continue
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                r = fn()
+            except Exception as e:  # an OOM on one row must not cost the others
+                traceback.print_exc()
+                r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            if "ms" in r:
+                tokens = B * S
+                r["tokens_per_s"] = tokens / (r["ms"] / 1e3)
+                r["mfu"] = fpt * r["tokens_per_s"] / rate
+            if device.type == "cuda":
+                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            r.update(shape=shape_name, row=name, batch=B, seq=S)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+            "dense_tflops": rate / 1e12}
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "train_step.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    print(f"\n{meta}")
+    print(f"{'shape':10s} {'row':46s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'GiB':>6s}  phases")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:10s} {r['row']:46s} ERROR {r['error']}")
+            continue
+        ph = " ".join(f"{k}={v:.1f}" for k, v in r.get("phases_ms", {}).items())
+        print(f"{r['shape']:10s} {r['row']:46s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+              f"{r.get('peak_gib', 0):6.1f}  {ph}")
+
+
+if __name__ == "__main__":
+    main()
