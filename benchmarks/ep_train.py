@@ -8,8 +8,9 @@ Measures, per rank (EP group = all ranks, dp = 1):
      (zero1: state replicated over EP since dp = 1; epso: non-expert state sharded over DP x EP) and each token
      exchange (allgather | alltoall): tokens/s over the EP group, ms/step, peak memory per GPU;
   2. the optimizer step alone (reduce_grads + clip_grad_norm_ + step), median ms, EPSO vs ZeRO-1;
-  3. one MoE layer forward + backward at --tokens tokens per rank with each dispatcher (median ms), with the same
-     router and tokens, i.e. the exchange cost difference on top of identical expert compute.
+  3. one MoE layer forward + backward at --tokens tokens per rank with each dispatcher (median ms), same router and
+     tokens; and the exchange alone (experts replaced by a near-free stand-in). Note the traffic: allgather sends
+     each token once to every EP rank, alltoall sends one row per (token, expert) pair (top-8: up to 8 rows).
 Model: OLMoE-1B-7B dims (d 2048, 16 heads, 64 experts, top-8, expert FFN 1024, vocab 50304), 4 layers, fp32 master
 weights, bf16 autocast, realistic (not forced-uniform) routing from a random router.
 """
@@ -98,26 +99,39 @@ def train_run(args, device, groups, strategy: str, dispatcher: str) -> dict:
     return out
 
 
+def scale_only_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0):
+    """Near-free stand-in for the experts (y = x * sum of the local pairs' weights), so that the timing of a
+    dispatcher with it is the token exchange alone, forward and backward."""
+    E = w_gate_EFD.shape[0]
+    local_TK = (idx_TK >= e_start) & (idx_TK < e_start + E)
+    return x_TD * (w_TK * local_TK).sum(-1, keepdim=True).to(x_TD.dtype)
+
+
 def dispatch_run(args, device, groups, dispatcher: str) -> dict:
-    """One MoE layer fwd+bwd on `args.tokens` tokens per rank: router, exchange, experts, exchange back."""
+    """One MoE layer fwd+bwd on `args.tokens` tokens per rank (router, exchange, experts, exchange back), then the
+    same with the experts replaced by `scale_only_experts`: the exchange's own cost."""
     torch.manual_seed(0)
     cfg = model_cfg(args, dispatcher)
     layer = build_model(cfg, groups.ep_rank, groups.ep_size, device).blocks[0].ffn
     layer.dispatcher = make_dispatcher(dispatcher, groups.ep)
     g = torch.Generator().manual_seed(7 + groups.ep_rank)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    x = (torch.randn(1, args.tokens, cfg.d_model, generator=g) * 1.0).to(device, dtype).requires_grad_()
-    times = []
-    for i in range(args.warmup + args.steps):
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            y, _ = layer(x)
-        y.float().square().mean().backward()
-        sync(device)
-        if i >= args.warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"dispatcher": dispatcher, "tokens_per_rank": args.tokens, "fwd_bwd_ms": statistics.median(times)}
+    x = torch.randn(1, args.tokens, cfg.d_model, generator=g).to(device, dtype).requires_grad_()
+    out = {"dispatcher": dispatcher, "tokens_per_rank": args.tokens}
+    for label, experts_fn in (("layer_fwd_bwd_ms", layer.experts_fn), ("exchange_fwd_bwd_ms", scale_only_experts)):
+        layer.experts_fn = experts_fn
+        times = []
+        for i in range(args.warmup + args.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                y, _ = layer(x)
+            y.float().square().mean().backward()
+            sync(device)
+            if i >= args.warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        out[label] = statistics.median(times)
+    return out
 
 
 def main_rank(args) -> None:
@@ -145,7 +159,8 @@ def main_rank(args) -> None:
         r = dispatch_run(args, device, groups, dispatcher)
         results["dispatch"].append(r)
         if groups.world_rank == 0:
-            print(f"[dispatch] {dispatcher:9s} {args.tokens} tokens/rank: MoE layer fwd+bwd {r['fwd_bwd_ms']:.2f} ms",
+            print(f"[dispatch] {dispatcher:9s} {args.tokens} tokens/rank: MoE layer fwd+bwd "
+                  f"{r['layer_fwd_bwd_ms']:.2f} ms, exchange alone fwd+bwd {r['exchange_fwd_bwd_ms']:.2f} ms",
                   flush=True)
     peaks = [None] * world
     dist.all_gather_object(peaks, [r["peak_gib"] for r in results["train"]])

@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--impl", default="fast", help="model.moe.impl on GPU: fast | reference")
     ap.add_argument("--recompute", nargs="*", default=[], help="train.recompute kinds, e.g. norm attention moe")
-    ap.add_argument("--balance", default="flops", help="parallel.pp_balance: flops | params | layers")
+    ap.add_argument("--balance", default="params", help="parallel.pp_balance: flops | params | layers")
     ap.add_argument("--schedules", nargs="*", default=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--out", default=None, help="directory for pp_train.json")
     args = ap.parse_args()

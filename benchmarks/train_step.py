@@ -105,7 +105,7 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
     """Each phase alone on the same activations: attention sublayer x L, MoE sublayer x L, head + CE, optimizer."""
     L = len(model.blocks)
     block = model.blocks[0]
-    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dt = torch.bfloat16 if use_autocast else model.lm_head.weight.dtype
     x = torch.randn(*inputs.shape, model.cfg.d_model, device=device, dtype=dt, requires_grad=True)
 
     def run(fn):

@@ -113,8 +113,8 @@ class ParallelConfig:
     microbatches: int = 1  # PP micro-batches per step
     # layers per model chunk (pp * pp_virtual_stages entries); empty: balanced by pp_balance
     pp_split: list[int] = field(default_factory=list)
-    # flops (forward FLOPs: MoE layers count top-k experts, the head 2*D*V) | params (memory) | layers
-    pp_balance: str = "flops"
+    # params (embedding / head weigh on the first / last chunk) | flops (forward FLOPs, MoE: top-k experts) | layers
+    pp_balance: str = "params"
 
     def __post_init__(self) -> None:
         for key in ("dp", "ep", "pp", "pp_virtual_stages", "microbatches"):

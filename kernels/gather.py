@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from moe_launch.kernels._launch import launch, next_pow2
 
 
@@ -33,7 +34,7 @@ def _gather_kernel(
 
 
 def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
-    assert x_TD.stride(1) == 1
+    x_TD = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
     N, D = row_token_N.numel(), x_TD.shape[1]
     out_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
     if N == 0:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from moe_launch.kernels._launch import launch, next_pow2
 from moe_launch.kernels.token_count import boundaries, count_tokens, pair_block
 

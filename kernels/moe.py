@@ -19,6 +19,7 @@ Rows >= R of every buffer are unspecified and never read. No host sync anywhere 
 from __future__ import annotations
 
 import torch
+
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from moe_launch.kernels.index_gen import RoutePlan, route_indices

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from moe_launch.kernels._launch import launch, next_pow2
 
 
@@ -74,6 +75,10 @@ def _combine_bwd_kernel(
              mask=tok_ok[:, None] & (ks < K)[None, :])
 
 
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def combine_triton(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=None):
     T, K = pair_row_TK.shape
     D = rows_ND.shape[1]
@@ -83,8 +88,9 @@ def combine_triton(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=Non
     BLOCK_D = min(next_pow2(D), 256 if rows_ND.is_cuda else 4096)
     BLOCK_T = max(1, (2048 if rows_ND.is_cuda else 65536) // BLOCK_D)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
-    w = w_TK if w_TK is not None else pair_row_TK  # unused when HAS_W is False
-    r2 = rows2_ND if rows2_ND is not None else rows_ND
+    pair_row_TK, rows_ND = pair_row_TK.contiguous(), _unit_stride(rows_ND)  # kernels index [t*K + k] and rows
+    w = w_TK.contiguous() if w_TK is not None else pair_row_TK  # unused when HAS_W is False
+    r2 = _unit_stride(rows2_ND) if rows2_ND is not None else rows_ND
     launch(_combine_fwd_kernel, grid, rows_ND, r2, pair_row_TK, w, out_TD, T, K, D, rows_ND.stride(0),
            r2.stride(0), out_TD.stride(0), HAS_W=w_TK is not None, HAS_ROWS2=rows2_ND is not None,
            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
@@ -99,7 +105,8 @@ def combine_bwd_triton(dy_TD, rows_ND, pair_row_TK, w_TK):
     dw_TK = torch.empty(T, K, dtype=w_TK.dtype, device=w_TK.device)
     if T == 0:
         return drows_ND, dw_TK
-    dy_TD = dy_TD.contiguous()
+    dy_TD, pair_row_TK, w_TK = dy_TD.contiguous(), pair_row_TK.contiguous(), w_TK.contiguous()
+    rows_ND = _unit_stride(rows_ND)
     BLOCK_D = min(next_pow2(D), 256 if rows_ND.is_cuda else 4096)
     BLOCK_T = max(1, (2048 if rows_ND.is_cuda else 16384) // BLOCK_D)
     launch(_combine_bwd_kernel, (triton.cdiv(T, BLOCK_T),), dy_TD, rows_ND, pair_row_TK, w_TK, drows_ND, dw_TK,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
 from moe_launch.kernels._launch import launch, next_pow2
 
 
@@ -57,7 +58,12 @@ def _blocks(N: int, Fdim: int, cuda: bool) -> tuple[int, int, tuple[int, int]]:
     return BLOCK_R, BLOCK_F, (max(1, triton.cdiv(N, BLOCK_R)), triton.cdiv(Fdim, BLOCK_F))
 
 
+def _unit_stride(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]  # kernels address rows as base + r*stride + c
+
+
 def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    g_NF, u_NF = _unit_stride(g_NF, u_NF)
     N, Fdim = g_NF.shape
     h_NF = torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
@@ -68,6 +74,7 @@ def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Te
 
 def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows):
     """-> (dg_NF, du_NF, h_NF); rows >= R unspecified."""
+    g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
     dg_NF, du_NF, h_NF = (torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device) for _ in range(3))
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)

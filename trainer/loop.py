@@ -88,6 +88,8 @@ class Trainer:
         attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute:
             apply_recompute(self.model, t.recompute)
+        if t.compile:  # in place: parameter names (checkpoints, optimizer buckets) stay those of the eager model
+            self.model.compile()
         self.loader = self._open_data()
         self.resume = self._choose_resume()
         self.start_step = self._load_model()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_helpers import random_idx, rel_err
+
 from moe_launch.kernels import gather, grouped_gemm, reduce, swiglu
 from moe_launch.kernels.index_gen import route_indices
 from moe_launch.kernels.token_count import boundaries, count_tokens

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_helpers import random_idx, rel_err
+
 from moe_launch.conf.schema import MoEConfig
 from moe_launch.kernels.moe import fast_experts
 from moe_launch.trainer.moe.layer import MoELayer
@@ -109,3 +110,15 @@ def test_no_tokens():
     idx, tensors = _inputs(0, 8, 16, 4, 4, 2, range(0), gen)
     got = _run(fast_experts, idx, tensors, 0, torch.zeros(0, 8))
     assert got[0].shape == (0, 8) and all(bool((g == 0).all()) for g in got[3:])
+
+
+def test_non_contiguous_inputs():
+    """Transposed views for x and the router weights (as a dispatcher may hand over) give the same result."""
+    gen = torch.Generator().manual_seed(11)
+    idx, (x, w_TK, wg, wu, wd) = _inputs(40, 8, 16, 6, 6, 3, range(0), gen)
+    x_view, w_view = x.t().contiguous().t(), w_TK.t().contiguous().t()
+    assert not x_view.is_contiguous() and not w_view.is_contiguous()
+    got = _run(fast_experts, idx, [x_view, w_view, wg, wu, wd], 0, torch.ones(40, 8))
+    want = _run(experts_reference, idx, [x, w_TK, wg, wu, wd], 0, torch.ones(40, 8))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-5

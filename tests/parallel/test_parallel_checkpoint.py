@@ -10,13 +10,14 @@ import pytest
 import torch
 from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
 
+from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.groups import coords_of
 from moe_launch.trainer.parallel.reshard import holder_of, model_shard_writer, shard_of
-from moe_launch.trainer.parallel.resume import load_optimizer_resharded
+from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_mode
 
 STEPS, STOP_AT = 5, 3
 
@@ -81,6 +82,7 @@ def _reshard_worker(rank: int, world: int, tmp: str, saved_strategy: str, new_st
     ckpt = Path(tmp) / "ckpt"
     saved_layout = ckpt_state.load_trainer_state(ckpt)["layout"]
     groups, model, opt = parallel_setup(1, 2, new_strategy, "allgather")
+    assert resume_mode(saved_layout, {"dp": 1, "ep": 2, "pp": 1, "optimizer_sharding": new_strategy}) == "reshard"
     if groups.dp_rank == 0:
         ckpt_state.load_model(ckpt, _coords(groups, new_strategy), model)
     broadcast_model(model, groups)
@@ -91,7 +93,7 @@ def _reshard_worker(rank: int, world: int, tmp: str, saved_strategy: str, new_st
     return {"losses": losses, "params": _snapshot(model), "ep_rank": groups.ep_rank, "data_rank": groups.data_rank}
 
 
-@pytest.mark.parametrize("saved_strategy,new_strategy", [("epso", "zero1"), ("zero1", "epso")])
+@pytest.mark.parametrize("saved_strategy,new_strategy", [("epso", "zero1"), ("zero1", "epso"), ("none", "epso")])
 def test_checkpoint_from_dp2_ep2_loads_at_dp1_ep2(rank_pool, tmp_path, saved_strategy, new_strategy):
     reference = reference_run(STEPS)
     rank_pool.run(_save_worker, 4, str(tmp_path), saved_strategy)
@@ -123,3 +125,11 @@ def test_shard_bookkeeping_is_consistent():
                         assert not expert or e == ep_rank
     # DP-scattered model writes: shards 0..7 over dp=4 land on DP indices 0,1,2,3,0,1,2,3
     assert [model_shard_writer(m, 4) for m in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_resume_mode_allows_only_dp_and_sharding_changes():
+    saved = {"dp": 2, "ep": 2, "pp": 1, "optimizer_sharding": "epso"}
+    assert resume_mode(saved, dict(saved)) == "same"
+    assert resume_mode(saved, {**saved, "dp": 4, "optimizer_sharding": "zero1"}) == "reshard"
+    with pytest.raises(CheckpointError, match="parallel.ep"):
+        resume_mode(saved, {**saved, "ep": 4})

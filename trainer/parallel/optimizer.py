@@ -90,20 +90,19 @@ class Bucket:
     def shard_lo(self) -> int:
         return self.shard_axis.rank * self.shard_len
 
+    def _flat(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        device = self.params[0].device
+        pad = torch.zeros(self.padded - self.numel, dtype=dtype, device=device)
+        return torch.cat([t.reshape(-1).to(dtype) for t in parts] + [pad])  # one write of the whole bucket
+
     def flat_params(self, dtype: torch.dtype) -> torch.Tensor:
         """The full padded flat copy of the bucket's parameters (padding zero)."""
-        flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
-        for p, off in zip(self.params, self.offsets):
-            flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        return flat
+        return self._flat([p.detach() for p in self.params], dtype)
 
     def flat_grads(self) -> torch.Tensor:
         """fp32 padded flat gradient; a parameter without a gradient (unused this step) contributes zeros."""
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.params[0].device)
-        for p, off in zip(self.params, self.offsets):
-            if p.grad is not None:
-                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
-        return flat
+        parts = [p.grad if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        return self._flat(parts, torch.float32)
 
 
 def _axes_for(strategy: str, expert: bool, groups: Groups) -> tuple[Axis, Axis]:

@@ -2,9 +2,11 @@
 
 The embedding always lives on chunk 0 and the final norm + output head on the last chunk (so the tokens enter and the
 loss is computed where the data is). What is configurable is how they weigh in the balance (`parallel.pp_balance`,
-costs from stage.balance_costs): `flops` (forward FLOPs per token: an MoE layer counts its top-k experts only, the
-embedding ~0, the output head 2*D*V, which for OLMoE is about 1.5 layers), `params` (parameter counts: memory
-balance; an MoE layer counts all its experts) or `layers` (layers only). `parallel.pp_split` gives the layer count of
+costs from stage.balance_costs): `params` (parameter counts, the default: memory balance; an MoE layer counts all its
+experts), `flops` (forward FLOPs per token: an MoE layer counts its top-k experts only, the embedding ~0, the output
+head 2*D*V, about 1.5 OLMoE layers) or `layers` (layers only). Measured on 2 H200s with an 8-layer OLMoE, the head
+cost about 0.6 of a layer's time (the MoE layers run further below peak than the head's one large GEMM), so `flops`
+over-weighs it there ([5, 3] left stage 0 37% busier; `params` gave [4, 4], 15% the other way). `parallel.pp_split` gives the layer count of
 every chunk explicitly (a chunk may hold 0 layers if it holds the embedding or the head, e.g. [0, 4, 4] puts the
 embedding alone on the first stage).
 """
