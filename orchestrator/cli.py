@@ -5,6 +5,7 @@
     moe-launch attach runs/<name>           follow a run again (after the login session died); resubmits as needed
     moe-launch status runs/<name>           one-shot view of a run
     moe-launch stop runs/<name>             ask the supervisor to checkpoint and stop
+    moe-launch report runs/<name> [more]    plots of one run, or several overlaid (orchestrator/report.py)
 
 The subcommands are handled before Hydra sees argv. The run directory is Hydra's output directory,
 `${run.root}/${run.name}` unless `hydra.run.dir=...` moves it. Exit codes: 0 completed (or dry run), 1 the run
@@ -21,7 +22,7 @@ from typing import Optional
 
 from moe_launch.errors import ConfigError, SubmissionError
 
-SUBCOMMANDS = ("attach", "status", "stop")
+SUBCOMMANDS = ("attach", "status", "stop", "report")
 _DEFAULT_OVERRIDES = {
     "hydra.run.dir": "${run.root}/${run.name}",
     "hydra.sweep.dir": "${run.root}/multirun-${now:%Y-%m-%d_%H-%M-%S}",
@@ -46,6 +47,12 @@ def _load_run(path: str):
 
 
 def subcommand(argv: list[str]) -> int:
+    if argv[0] == "report":
+        if len(argv) < 2:
+            return _fail("usage: moe-launch report runs/<name> [runs/<other> ...]")
+        from moe_launch.orchestrator.report import main_report
+
+        return main_report(argv[1], argv[2:])
     from moe_launch.orchestrator import live, login
 
     if len(argv) != 2 or argv[1].startswith("-"):

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from moe_launch.conf.load import load_config
 from moe_launch.conf.schema import RootConfig
+from moe_launch.errors import SubmissionError
 from moe_launch.orchestrator.backend import Cluster, Step
 from moe_launch.orchestrator.decide import decide
 from moe_launch.orchestrator.events import (
@@ -166,7 +167,12 @@ class Supervisor:
         if now >= self.next_scheduler_poll:
             self.next_scheduler_poll = now + _SCHEDULER_POLL_S
             watched = self.state.active + self.state.buffers + self.state.suspects
-            lost = {n: s for n, s in self.cluster.unavailable(watched).items() if n not in self.lost_seen}
+            try:
+                unavailable = self.cluster.unavailable(watched)
+            except SubmissionError as e:  # a slurmctld hiccup must not end the run; the step itself is still watched
+                journal_event(self.rd, "info", (), message=f"scheduler query failed, retrying: {e}")
+                unavailable = {}
+            lost = {n: s for n, s in unavailable.items() if n not in self.lost_seen}
             if lost:
                 self.lost_seen |= set(lost)
                 events.append(NodesLost(tuple(sorted(lost)), detail=", ".join(f"{n}: {s}" for n, s in lost.items())))

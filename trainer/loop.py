@@ -88,8 +88,9 @@ class Trainer:
         attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute:
             apply_recompute(self.model, t.recompute)
-        if t.compile:  # in place: parameter names (checkpoints, optimizer buckets) stay those of the eager model
-            self.model.compile()
+        if t.compile:  # per block, as torchtitan does; in place, so parameter names (checkpoints, buckets) stay
+            for block in self.model.blocks:
+                block.compile()
         self.loader = self._open_data()
         self.resume = self._choose_resume()
         self.start_step = self._load_model()

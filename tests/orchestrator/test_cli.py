@@ -124,3 +124,22 @@ def test_preempted_trainer_is_resubmitted_and_resumes(tmp_path):
     assert stop["details"]["action"]["status"] == "preempted"
     summary = json.loads((rd / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["resubmits"] == 1 and summary["restarts"] == 0
+
+
+@pytest.mark.slurm
+def test_slurm_dry_run_and_impossible_requests(slurm_cluster, tmp_path):
+    proc, _ = cli(tmp_path, "--dry-run", "run.name=sdry", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=2",
+                  "cluster.exclude=[node1,nosuchnode]")
+    assert proc.returncode == 0, proc.stderr
+    for line in ("#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --no-requeue", "#SBATCH --exclude=node1",
+                 "#SBATCH --signal=USR2@60"):
+        assert line in proc.stdout.splitlines(), line
+    assert "nosuchnode" in proc.stderr and "not in partition" in proc.stderr  # reported, not silently dropped
+    squeue = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout
+    assert "moe-launch:sdry" not in squeue and not (tmp_path / "runs" / "sdry").exists()
+    proc, _ = cli(tmp_path, "cluster=slurm", "cluster.nodes=2", "cluster.buffers=5")
+    assert proc.returncode == 2 and "cluster.nodes" in proc.stderr and "refused before submission" in proc.stderr
+    proc, _ = cli(tmp_path, "cluster=slurm", "cluster.partition=nope")
+    assert proc.returncode == 2 and "cluster.partition" in proc.stderr and "does not exist" in proc.stderr
+    proc, _ = cli(tmp_path, "cluster=slurm", "cluster.time_limit_min=1")
+    assert proc.returncode == 2 and "cluster.time_limit_min" in proc.stderr

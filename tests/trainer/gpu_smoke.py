@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--impl", default="reference")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--ckpt", type=int, default=20, help="train.ckpt_interval (0: no checkpoints)")
     args = ap.parse_args()
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -49,7 +50,7 @@ def main() -> None:
     cfg = RootConfig(
         model=model, parallel=ParallelConfig(dp=args.dp),
         train=TrainConfig(steps=args.steps, global_batch_size=args.batch, micro_batch_size=args.micro,
-                          seq_len=args.seq, ckpt_interval=20, deterministic=args.deterministic, progress=False,
+                          seq_len=args.seq, ckpt_interval=args.ckpt, deterministic=args.deterministic, progress=False,
                           compile=args.compile),
         data=DataConfig(cache_dir=str(args.out / "cache"), workers=8), cluster=ClusterConfig(nodes=args.dp),
     )

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from moe_launch.errors import CheckpointError
-from moe_launch.trainer.parallel.groups import coords_of, rank_of
+from moe_launch.trainer.parallel.groups import rank_of
 from moe_launch.trainer.parallel.optimizer import ShardedAdamW
 
 STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -100,8 +100,3 @@ def reshard_optimizer_state(opt: ShardedAdamW, saved_layout: dict[str, Any], rea
 
 def coords_to_any_rank(pp_rank: int, dp: int, ep: int) -> int:
     return rank_of(pp_rank, 0, 0, dp, ep)
-
-
-def saved_coords(rank: int, saved_layout: dict[str, Any]) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, ep_rank) of a rank of the saved layout (for readers that name files by coordinates)."""
-    return coords_of(rank, saved_layout["dp"], saved_layout["ep"])
