@@ -94,9 +94,6 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
     tokens = args.microbatches * args.mbs * args.seq
     median = statistics.median(times)
     chunk_layers = [len(r) for r in pipe.chunk_ranges]
-    del pipe
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return {"schedule": schedule, "virtual_stages": virtual, "microbatches": args.microbatches, "mbs": args.mbs,
             "seq": args.seq, "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
             "bubble_measured": bubble_measured, "bubble_theory": theory.bubble_fraction,
@@ -140,6 +137,8 @@ def main() -> None:
     for schedule in args.schedules:
         row = run_schedule(model_cfg, schedule, 2 if schedule == "interleaved" else 1, args, device)
         rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the previous schedule's stage is garbage now
         if env.rank == 0:
             print(json.dumps(row), flush=True)
     if env.rank == 0:

@@ -13,8 +13,8 @@ run() {  # run NAME SECONDS CMD...
   timeout -k 5 "$secs" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?" >>"$OUT/$name.log"
   tail -n 25 "$OUT/$name.log"
 }
-run train_step 170 python3 benchmarks/train_step.py --out "$OUT"
-run health_gpu 80 torchrun --nproc-per-node 2 benchmarks/health_gpu.py --max-bytes $((2 << 30)) --expect-busbw 338.0 --json "$OUT/health_a2a.json"
-run ep_train 130 torchrun --nproc-per-node 2 benchmarks/ep_train.py --out "$OUT"
-run pp_train 90 torchrun --nproc-per-node 2 benchmarks/pp_train.py --out "$OUT"
+run train_step 150 python3 benchmarks/train_step.py --out "$OUT"
+run health_gpu 60 torchrun --nproc-per-node 2 benchmarks/health_gpu.py --max-bytes $((2 << 30)) --expect-busbw 338.0 --json "$OUT/health_a2a.json"
+run ep_train 110 torchrun --nproc-per-node 2 benchmarks/ep_train.py --out "$OUT"
+run pp_train 80 torchrun --nproc-per-node 2 benchmarks/pp_train.py --out "$OUT"
 cat "$OUT/gpus.txt"

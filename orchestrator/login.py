@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from moe_launch.conf.schema import RootConfig
-from moe_launch.errors import SubmissionError
+from moe_launch.errors import ConfigError, SubmissionError
 from moe_launch.orchestrator.live import LiveView
 from moe_launch.orchestrator.plan import LaunchPlan, plan
 from moe_launch.orchestrator.render import render_sbatch
@@ -121,26 +121,12 @@ def submit(cfg: RootConfig, rd: RunDir, p: LaunchPlan) -> str:
 def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
     """Follow until summary.json exists, resubmitting dead allocations. Exit code: 0 completed, 1 otherwise."""
     view = None if quiet else LiveView(rd, cfg.cluster.nodes, cfg.supervisor.max_restarts, cfg.train.steps)
-    gone_since: Optional[float] = None
     try:
-        while True:
-            if view is not None:
-                view.update()
-            if rd.summary.exists():
-                break
-            records = read_jsonl(rd.journal)
-            started = handles(records)
-            if not started:
-                raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
-            last = started[-1]
-            if handle_alive(last["cluster"], last["handle"]):
-                gone_since = None
-            elif gone_since is None:
-                gone_since = time.monotonic()
-            elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists():
-                _allocation_ended(cfg, rd, records, len(started))
-                gone_since = None
-            time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
+        _follow_until_summary(cfg, rd, view)
+    except KeyboardInterrupt:  # the run goes on without us
+        print(f"\ndetached; the run continues. Follow it again with `moe-launch attach {rd.root}`, "
+              f"stop it with `moe-launch stop {rd.root}`", file=sys.stderr)
+        return 130
     finally:
         if view is not None:
             view.update()
@@ -148,6 +134,28 @@ def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
     summary = read_summary(rd)
     print(f"run {summary.get('status')}: {summary.get('reason', '')}\n  outputs: {rd.root}", file=sys.stderr)
     return 0 if summary.get("status") == "completed" else 1
+
+
+def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView]) -> None:
+    gone_since: Optional[float] = None
+    while True:
+        if view is not None:
+            view.update()
+        if rd.summary.exists():
+            return
+        records = read_jsonl(rd.journal)
+        started = handles(records)
+        if not started:
+            raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
+        last = started[-1]
+        if handle_alive(last["cluster"], last["handle"]):
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists():
+            _allocation_ended(cfg, rd, records, len(started))
+            gone_since = None
+        time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
 
 
 def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]], started: int) -> None:
@@ -163,8 +171,12 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
                   f"it, or start a new run resuming from them")
         return _final(rd, state, wall, "failed", reason, resubmits)
     excluded = tuple(state.excluded) if state else ()
-    p = make_plan(cfg, rd.root, excluded)
-    handle = start_allocation(p, rd, started)
+    try:
+        p = make_plan(cfg, rd.root, excluded)
+        handle = start_allocation(p, rd, started)
+    except (ConfigError, SubmissionError) as e:
+        return _final(rd, state, wall, "failed", f"the allocation ended and a new one cannot be submitted: {e}",
+                      resubmits)
     journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
                   reason="the allocation ended without a summary (supervisor node lost, time limit or preemption)")
 
@@ -178,8 +190,6 @@ def _final(rd: RunDir, state, wall: float, status: str, reason: str, resubmits: 
 
 
 def read_summary(rd: RunDir) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads(rd.summary.read_text())
     except (OSError, ValueError):

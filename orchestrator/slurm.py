@@ -179,6 +179,7 @@ class SlurmStep:
         self.proc = subprocess.Popen(srun + list(argv), env=penv, stdout=self.log, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.lines: list[str] = []
+        self.arrived: list[float] = []  # monotonic arrival time of each line (the grace counts from the line)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self._seen = 0
@@ -194,11 +195,13 @@ class SlurmStep:
         for raw in self.proc.stderr:
             self.log.write(time.strftime("%H:%M:%S ").encode() + raw)  # arrival time: detection latency is visible
             self.log.flush()
+            self.arrived.append(time.monotonic())
             self.lines.append(raw.decode(errors="replace").rstrip("\n"))
 
     def _consume(self) -> None:
         while self._seen < len(self.lines):
             parsed = parse_srun_line(self.lines[self._seen])
+            arrived = self.arrived[self._seen]
             self._seen += 1
             if parsed is None:
                 continue
@@ -209,7 +212,7 @@ class SlurmStep:
             self.reported.setdefault(node, what)
             bad = kind == "signal" or what != "0"
             if bad and self.first_bad is None:
-                self.first_bad, self.first_bad_t = parsed, time.monotonic()
+                self.first_bad, self.first_bad_t = parsed, arrived
 
     def poll(self) -> Optional[StepResult]:
         rc = self.proc.poll()
@@ -249,7 +252,7 @@ class SlurmStep:
             code = int(what) if kind == "exit" else 137
             seen = time.monotonic() - (self.first_bad_t or time.monotonic())
             detail.append(f"first bad exit: {node} ({'exit code ' + what if kind == 'exit' else what}), "
-                          f"{seen:.1f} s before this verdict")
+                          f"reported {seen:.1f} s before this verdict")
             if kind == "signal" and node not in dead:
                 dead.append(node)  # its tasks were killed from outside the program: treat the node as failed
         elif rc:
@@ -281,15 +284,23 @@ class SlurmStep:
         if self.killed:
             return
         self.killed = True
-        sid = self._step_id()
-        if sid:  # kill the tasks on the live nodes; srun alone would wait for the dead one
-            _run(["scancel", "--signal=KILL", sid], check=False)
-            _run(["scancel", sid], check=False)
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # the step's tasks on live nodes outlive a killed srun: cancel the step, in the background, because
+        # slurmctld may take many seconds to answer while it tries to reach a dead node, and the relaunch must not wait
+        threading.Thread(target=self._cancel_step, daemon=True, name=f"cancel-{self.name}").start()
+
+    def _cancel_step(self) -> None:
+        try:
+            sid = self._step_id()
+            if sid:
+                _run(["scancel", "--signal=KILL", sid], check=False)
+                _run(["scancel", sid], check=False)
+        except SubmissionError:
+            pass  # the allocation's end reaps whatever is left
 
     def wait(self, timeout_s: float) -> bool:
         try:

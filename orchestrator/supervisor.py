@@ -16,6 +16,7 @@ import argparse
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -96,7 +97,6 @@ class Supervisor:
         self.step: Optional[Step] = None
         self.pending: list[Event] = []
         self.lost_seen: set[str] = set()
-        self.next_scheduler_poll = 0.0
         self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
         self.stop_seen = False
         self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
@@ -113,6 +113,7 @@ class Supervisor:
         state = replay(read_jsonl(self.rd.journal), self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
         assert state is not None
         self.state = state
+        self.scheduler = SchedulerWatch(self)
         self.handle(self.preflight(self.state.buffers))
         while not self.state.finished:
             for ev in self.observe():
@@ -164,21 +165,14 @@ class Supervisor:
                 events.append(StepExited(attempt=step.attempt, code=result.code, dead_nodes=result.dead_nodes,
                                          failed_nodes=result.failed_nodes, step=self.watcher.step,
                                          detail=result.detail))
-        if now >= self.next_scheduler_poll:
-            self.next_scheduler_poll = now + _SCHEDULER_POLL_S
-            watched = self.state.active + self.state.buffers + self.state.suspects
-            try:
-                unavailable = self.cluster.unavailable(watched)
-            except SubmissionError as e:  # a slurmctld hiccup must not end the run; the step itself is still watched
-                journal_event(self.rd, "info", (), message=f"scheduler query failed, retrying: {e}")
-                unavailable = {}
-            lost = {n: s for n, s in unavailable.items() if n not in self.lost_seen}
-            if lost:
-                self.lost_seen |= set(lost)
-                events.append(NodesLost(tuple(sorted(lost)), detail=", ".join(f"{n}: {s}" for n, s in lost.items())))
+        lost = {n: s for n, s in self.scheduler.unavailable.items() if n not in self.lost_seen}
+        if lost:
+            self.lost_seen |= set(lost)
+            events.append(NodesLost(tuple(sorted(lost)), detail=", ".join(f"{n}: {s}" for n, s in lost.items())))
         return events
 
     def finish(self) -> int:
+        self.scheduler.stop()
         self._end_step(graceful=False)
         records = read_jsonl(self.rd.journal)
         wall = time.time() - (records[0]["time"] if records else time.time())
@@ -204,7 +198,6 @@ class Supervisor:
             while time.time() < deadline and step.poll() is None:
                 time.sleep(0.2)
         step.kill()
-        getattr(step, "wait", lambda _t: True)(10.0)
 
     def _note_resume(self) -> None:
         beat = self.watcher.first_beat
@@ -238,6 +231,29 @@ class Supervisor:
             journal_event(self.rd, "info", nodes, message=f"preflight skipped: health module not available ({e})")
             return None
         return run_preflight(list(nodes), self.cfg.health, self.cfg.cluster, self.rd.health, self.cfg.run.name)
+
+
+class SchedulerWatch:
+    """Asks the scheduler about the nodes every few seconds, in a thread: slurmctld can take many seconds to answer
+    while it is trying to reach a dead node, and the supervisor's loop must keep reading srun's stderr meanwhile."""
+
+    def __init__(self, sup: Supervisor):
+        self.sup = sup
+        self.unavailable: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="scheduler-watch")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_SCHEDULER_POLL_S):
+            st = self.sup.state  # an immutable snapshot
+            try:
+                self.unavailable = self.sup.cluster.unavailable(st.active + st.buffers + st.suspects)
+            except SubmissionError as e:  # a slurmctld hiccup must not end the run; the step is still watched
+                journal_event(self.sup.rd, "info", (), message=f"scheduler query failed, retrying: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _resubmits(records: list[dict[str, Any]]) -> int:

@@ -177,6 +177,10 @@ class Trainer:
                 previous[sig] = signal.signal(sig, self._request_stop)
         sink = None
         if self.rank == 0:
+            print(f"[trainer] {self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size}), "
+                  f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
+                  f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, {self.dtype}",
+                  flush=True)
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress)
         try:
             for step in range(self.start_step, t.steps):
@@ -242,10 +246,15 @@ class Trainer:
         if t.step_sleep_s:
             time.sleep(t.step_sleep_s)
         stop = shared[world] > 0
+        saved = False
         if (t.ckpt_interval and done % t.ckpt_interval == 0) or stop:  # preemption always leaves a checkpoint
             self.save_checkpoint(done)
+            saved = True
         if t.model_ckpt_interval and done % t.model_ckpt_interval == 0:
             self.save_model_checkpoint(done)
+            saved = True
+        if saved:  # a long write must not look like a hang to the supervisor
+            write_heartbeat(self.run_dir, self.rank, done, self.host)
         if stop:
             if self.rank == 0:
                 journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done, checkpoint=self.newest_slot)

@@ -107,3 +107,13 @@ def test_down_nodes_warn_but_do_not_fail():
     part = PartitionInfo(name="debug", nodes=PART.nodes, unavailable=("node1", "node2", "node3"))
     p = plan(slurm_cfg(nodes=2, buffers=2), part)
     assert any("will pend" in w for w in p.warnings)
+
+
+def test_sbatch_example_is_what_the_renderer_makes():
+    cfg = slurm_cfg(nodes=2, buffers=2, python="/opt/moe-launch/.venv/bin/python")
+    cfg.run.name = "tiny-moe-2+2"
+    text = render_sbatch(plan(cfg, PART, run_dir="/home/me/moe-launch/runs/tiny-moe-2+2"))
+    path = Path(__file__).parent.parent.parent / "sbatch" / "tiny-moe-2+2.sh"
+    if os.environ.get("MOE_LAUNCH_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text()

@@ -49,7 +49,8 @@ def reference_run(steps: int, data_size: int) -> dict[str, Any]:
         for mb in mbs:
             loss, parts = model.compute_loss(mb[:, :-1], mb[:, 1:])
             (loss / len(mbs)).backward()
-            per.append((loss.item(), parts.aux_loss.item(), parts.z_loss.item(), [a.item() for a in parts.aux_per_layer]))
+            per.append((loss.item(), parts.aux_loss.item(), parts.z_loss.item(),
+                        [a.item() for a in parts.aux_per_layer]))
         # per data rank means, as each pipeline reports them
         ranks = [per[d * M : (d + 1) * M] for d in range(data_size)]
         out["losses"].append([sum(p[0] for p in r) / M for r in ranks])

@@ -1,19 +1,20 @@
-"""Stage-sharded checkpoints under PP=2 x DP=2 (4 gloo ranks): resuming gives the same next step as not stopping,
-model shards are written scattered over the DP ranks, and a model-only load works into another PP layout."""
+"""PP=2 x DP=2 with ZeRO-1 (4 gloo ranks): three steps equal the unpipelined model's; stage-sharded checkpoints resume
+to the same next step as not stopping; model shards are written scattered over the DP ranks; a model-only load
+works into another PP layout."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from pp_harness import spawn
-from pp_training import M, SEED, TRAIN, lr_at, micro_batches, model_cfg
+from pp_training import SEED, TRAIN, M, lr_at, micro_batches, model_cfg, reference_run
 
 from moe_launch.conf.schema import ParallelConfig
 from moe_launch.trainer.checkpoint.store import read_manifest, verify
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
-from moe_launch.trainer.pipeline import build_pipeline, pipeline_step
-from moe_launch.trainer.pipeline import ckpt
+from moe_launch.trainer.pipeline import build_pipeline, ckpt, pipeline_step
 from moe_launch.trainer.pipeline.stage import build_stage_model
 
 PCFG = ParallelConfig(dp=2, pp=2, pp_schedule="1f1b", microbatches=M, optimizer_sharding="zero1")
@@ -39,8 +40,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
         return pipe, build_optimizer(pipe.model, TRAIN, PCFG, groups)
 
     pipe, opt = fresh(SEED)
-    for step in range(2):
-        _step(pipe, opt, groups, step)
+    losses = [_step(pipe, opt, groups, step) for step in range(2)]
     saved = {n: p.detach().clone() for n, p in pipe.model.named_parameters()}
     ckpt.save(path, 2, coords, pipe.model, opt, {"step": 2}, Comm(), torch.device("cpu"))
     straight = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
@@ -49,12 +49,18 @@ def _worker(rank: int, world: int, path: str) -> dict:
     ckpt.load_stage_model(path, coords, pipe.model)
     ckpt.load_optimizer(path, coords, opt)
     resumed = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
-    return {"saved": saved, "straight": straight, "resumed": resumed}
+    return {"saved": saved, "straight": straight, "resumed": resumed, "losses": losses + [straight[0]],
+            "data_rank": groups.data_rank}
 
 
 def test_stage_checkpoint_resume_scatter_and_relayout(tmp_path):
     path = tmp_path / "ckpt-a"
     results = spawn(_worker, 4, str(path))
+    reference = reference_run(3, data_size=2)
+    for r in results:  # DP x PP composes: the same losses and weights as one process
+        assert r["losses"] == pytest.approx([s[r["data_rank"]] for s in reference["losses"]], rel=1e-5)
+        for name, p in r["straight"][1].items():
+            torch.testing.assert_close(p, reference["params"][name], rtol=1e-4, atol=1e-5)
     for r in results:
         assert r["resumed"][0] == r["straight"][0]
         for name, p in r["straight"][1].items():

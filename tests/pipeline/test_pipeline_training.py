@@ -39,7 +39,8 @@ def _check(results: list[dict], reference: dict) -> None:
                 if p.shape != ref.shape:  # expert weights: this EP rank's slice
                     e = p.shape[0]
                     ref = ref[out["ep_rank"] * e : (out["ep_rank"] + 1) * e]
-                torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where} {name}: {m}")
+                torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, w=where, n=name: f"{w} {n}: {m}")
                 seen.add(name)
         assert seen == set(reference["params"]), f"{schedule}: stages do not cover the model"
 

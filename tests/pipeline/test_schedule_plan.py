@@ -89,7 +89,7 @@ def test_programs_post_every_round_identically_on_both_ends(name, pp, v, M):
         for op in prog:
             if isinstance(op, Exchange):
                 rounds.setdefault(op.round, {})[s] = op
-    for r, by_stage in rounds.items():
+    for by_stage in rounds.values():
         for s, op in by_stage.items():
             for peer in range(pp):
                 out = [m for m in op.sends if m.dst_stage(pp) == peer]

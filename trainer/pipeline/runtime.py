@@ -32,8 +32,15 @@ from moe_launch.trainer.model.transformer import LossParts
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import Groups
 from moe_launch.trainer.pipeline.p2p import Pending, post_round
-from moe_launch.trainer.pipeline.plan import Compute, Exchange, Message, Op, build_programs, input_message, \
-    is_local, output_message
+from moe_launch.trainer.pipeline.plan import (
+    Exchange,
+    Message,
+    Op,
+    build_programs,
+    input_message,
+    is_local,
+    output_message,
+)
 from moe_launch.trainer.pipeline.schedule import Action, build_schedule
 from moe_launch.trainer.pipeline.split import chunk_layers
 from moe_launch.trainer.pipeline.stage import ChunkOut, StageModel, balance_costs, build_stage_model
@@ -82,7 +89,8 @@ def build_pipeline(model_cfg: Any, parallel_cfg: Any, groups: Groups,
     n_chunks = pp * v
     ranges = chunk_layers(model_cfg.n_layers, n_chunks, list(parallel_cfg.pp_split),
                           *balance_costs(model_cfg, parallel_cfg.pp_balance))
-    build_schedule(parallel_cfg.pp_schedule, pp, max(parallel_cfg.microbatches, pp), v)  # config errors now, not mid-run
+    # configuration errors now rather than in the first step
+    build_schedule(parallel_cfg.pp_schedule, pp, max(parallel_cfg.microbatches, pp), v)
     mine = {c: ranges[c] for c in range(n_chunks) if c % pp == groups.pp_rank}
     model = build_stage_model(model_cfg, mine, n_chunks, groups.ep_rank, groups.ep_size, device)
     attach_dispatchers(model, model_cfg, groups)
@@ -202,7 +210,7 @@ class _StepState:
             pending.wait()
         leftovers = [k for k in (*self.outbox, *self.arrived, *self.saved)]
         if leftovers:
-            raise RuntimeError(f"pipeline step ended with unconsumed state {leftovers[:4]}: the program is inconsistent")
+            raise RuntimeError(f"pipeline step ended with unconsumed state {leftovers[:4]}: inconsistent program")
 
 
 def pipeline_step(pipe: Pipeline, micro_batches: list[torch.Tensor], loss_scale: Optional[float] = None,
@@ -250,5 +258,6 @@ def _loss_parts(pipe: Pipeline, sums: _Sums, M: int, reduce: bool) -> tuple[torc
     if not reduce:
         moe_layers = [i for c in pipe.model.chunks for i in pipe.chunk_ranges[c] if i in moe_layers]
     parts = LossParts(lm_loss=lm, aux_loss=aux, z_loss=z, aux_per_layer=[aux_L[i].float() for i in moe_layers],
-                      z_per_layer=[z_L[i].float() for i in moe_layers], counts_per_layer=[counts_LE[i] for i in moe_layers])
+                      z_per_layer=[z_L[i].float() for i in moe_layers],
+                      counts_per_layer=[counts_LE[i] for i in moe_layers])
     return lm + aux + z, parts

@@ -63,8 +63,9 @@ def interleaved(pp: int, microbatches: int, virtual: int) -> list[list[Action]]:
     micro-batches pass through chunk 0, then the same P through chunk 1, ... Backwards walk the chunks in reverse.
     Warm-up: enough forwards that the first backward's gradient can arrive, 2*(P-s-1) + (V-1)*P."""
     if microbatches % pp:
-        raise ConfigError("parallel.microbatches", f"{microbatches} is not a multiple of parallel.pp={pp}, which the "
-                          "interleaved schedule needs", f"use a multiple of {pp} (e.g. {pp * max(1, microbatches // pp)})")
+        raise ConfigError("parallel.microbatches",
+                          f"{microbatches} is not a multiple of parallel.pp={pp}, which the interleaved schedule needs",
+                          f"use a multiple of {pp} (e.g. {pp * max(1, microbatches // pp)})")
     total = microbatches * virtual
 
     def nth(s: int, k: int, backward: bool) -> Action:

@@ -6,9 +6,9 @@ costs from stage.balance_costs): `params` (parameter counts, the default: memory
 experts), `flops` (forward FLOPs per token: an MoE layer counts its top-k experts only, the embedding ~0, the output
 head 2*D*V, about 1.5 OLMoE layers) or `layers` (layers only). Measured on 2 H200s with an 8-layer OLMoE, the head
 cost about 0.6 of a layer's time (the MoE layers run further below peak than the head's one large GEMM), so `flops`
-over-weighs it there ([5, 3] left stage 0 37% busier; `params` gave [4, 4], 15% the other way). `parallel.pp_split` gives the layer count of
-every chunk explicitly (a chunk may hold 0 layers if it holds the embedding or the head, e.g. [0, 4, 4] puts the
-embedding alone on the first stage).
+over-weighs it there ([5, 3] left stage 0 37% busier; `params` gave [4, 4], 15% the other way).
+`parallel.pp_split` gives the layer count of every chunk explicitly (a chunk may hold 0 layers if it holds the
+embedding or the head, e.g. [0, 4, 4] puts the embedding alone on the first stage).
 """
 
 from __future__ import annotations
