@@ -2,8 +2,9 @@
 
 Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/train_step.py --out $OUT
 CPU smoke test:   python benchmarks/train_step.py --smoke
-Rows: our model (a) as the trainer runs it today (fp32 params + bf16 autocast, FastSparseMoE kernels, our sharded
-AdamW's fused flat update), (b) bf16 params with fp32 master weights inside the optimizer (no autocast re-casts),
+Rows: our model (a) as the trainer runs it today (fp32 params + bf16 autocast, FastSparseMoE kernels, chunked
+head + cross-entropy, our sharded AdamW with flat gradient buffers and torch._fused_adamw_), (b) bf16 params with
+fp32 master weights inside the optimizer (no autocast re-casts),
 and HF's model with experts_implementation grouped_mm (fp32 master + autocast, fused torch AdamW), each at the 4-layer
 OLMoE shape (batch 4 x 4096) and the full 16-layer shape (batch 2 x 4096).
 MFU = (6*N_active + 6*L*d*S) * tokens / time / dense bf16 GEMM rate measured in this run, with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -25,6 +27,7 @@ import torch
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
 from moe_launch.trainer.model import build_model
+from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 
@@ -93,11 +96,13 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
         opt.zero_grad()
         out["loss"] = loss
 
-    times = timed_steps(step, device, warmup=2, iters=8 if device.type == "cuda" else 2)
+    times = timed_steps(step, device, warmup=2, iters=6 if device.type == "cuda" else 2)
     res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
+    if device.type == "cuda":
+        res["peak_gib_step"] = torch.cuda.max_memory_allocated() / 2**30
     if phases:
         res["phases_ms"] = phase_breakdown(model, opt, inputs, targets, device, use_autocast)
-    del model, opt
+    del model, opt, out
     return res
 
 
@@ -117,17 +122,17 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
 
     attn = run(lambda: block.attn(block.attn_norm(x))) * L
     moe = run(lambda: block.ffn(block.ffn_norm(x))[0]) * L
-    head = run(lambda: torch.nn.functional.cross_entropy(
+    head = run(lambda: chunked_cross_entropy(model.norm(x).flatten(0, 1), model.lm_head.weight, targets.flatten()))
+    head_unfused = run(lambda: torch.nn.functional.cross_entropy(
         model.lm_head(model.norm(x)).float().flatten(0, 1), targets.flatten()))
 
-    def optim():
+    def optim():  # the gradient buffers hold whatever the runs above left: the cost does not depend on values
         opt.reduce_grads()
+        opt.clip_grad_norm_(1.0)
         opt.step(1e-4)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
     opt_ms = 1e3 * sorted(timed_steps(optim, device, 1, 3))[1]
     opt.zero_grad()
-    return {"attention": attn, "moe": moe, "head+ce": head, "optimizer": opt_ms}
+    return {"attention": attn, "moe": moe, "head+ce": head, "head+ce unfused": head_unfused, "optimizer": opt_ms}
 
 
 def hf(model_cfg, batch_BS1, device):
@@ -165,7 +170,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="", help="comma list of row names to run")
+    ap.add_argument("--budget-s", type=float, default=140.0, help="skip the remaining rows after this many seconds")
     args = ap.parse_args()
+    t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     base = presets.MODELS["olmoe_1b7b"]
     if args.smoke:
@@ -178,51 +185,48 @@ def main() -> None:
                   ("olmoe-16L", base, 2, 4096)]
         rate = dense_rate(device, 8192)
     impl = "fast" if device.type == "cuda" else "reference"
+    row_fns = {
+        "ours: bf16 params, fp32 master in optimizer": lambda m, batch: ours(m, batch, device, True, phases=True),
+        "HF OlmoeForCausalLM grouped_mm": lambda m, batch: hf(m, batch, device),
+        "ours: fp32 params + autocast": lambda m, batch: ours(m, batch, device, bf16_params=False, phases=False),
+    }
+    # most informative first, so that --budget-s drops the least: fp32-param rows need > 139 GiB at 16 layers and
+    # HF's 16-layer row is in shared/measurements
+    plan = [(shapes[0], name) for name in list(row_fns)[:2]] + [(s, list(row_fns)[0]) for s in shapes[1:]] + \
+        [(shapes[0], list(row_fns)[2])]
     rows = []
     only = set(filter(None, args.only.split(",")))
-    for shape_name, m, B, S in shapes:
+    for (shape_name, m, B, S), name in plan:
         m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, impl=impl))
         torch.manual_seed(1)
         batch = torch.randint(0, m.vocab_size, (B, S + 1), device=device)
         fpt = flops_per_token(m, S)
-        for name, fn in (
-            ("ours: fp32 params + autocast", lambda: ours(m, batch, device, bf16_params=False, phases=False)),
-            ("ours: bf16 params, fp32 master in optimizer", lambda: ours(m, batch, device, True, phases=True)),
-            ("HF OlmoeForCausalLM grouped_mm", lambda: hf(m, batch, device)),
-        ):
-            if only and name.split(":")[0] not in only:
-                continue
-            if shape_name == "olmoe-16L" and not name.startswith("ours: bf16"):
-                continue  # fp32-param rows need > 139 GiB at 16 layers; HF's row is in shared/measurements
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                r = fn()
-            except Exception as e:  # an OOM on one row must not cost the others
-                traceback.print_exc()
-                r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-            if "ms" in r:
-                tokens = B * S
-                r["tokens_per_s"] = tokens / (r["ms"] / 1e3)
-                r["mfu"] = fpt * r["tokens_per_s"] / rate
-            if device.type == "cuda":
-                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            r.update(shape=shape_name, row=name, batch=B, seq=S)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
-            "dense_tflops": rate / 1e12}
-    try:
-        import transformers
-        meta["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "train_step.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        if only and name.split(":")[0] not in only:
+            continue
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"skipped {shape_name} / {name}: past --budget-s", flush=True)
+            continue
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t_row = time.perf_counter()
+        try:
+            r = row_fns[name](m, batch)
+        except Exception as e:  # an OOM on one row must not cost the others
+            traceback.print_exc()
+            r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        if "ms" in r:
+            tokens = B * S
+            r["tokens_per_s"] = tokens / (r["ms"] / 1e3)
+            r["mfu"] = fpt * r["tokens_per_s"] / rate
+        if device.type == "cuda":
+            r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        r.update(shape=shape_name, row=name, batch=B, seq=S, row_s=round(time.perf_counter() - t_row, 1))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        write_json(args.out, device, rate, rows)  # after every row: a timeout keeps what was measured
+    meta = write_json(args.out, device, rate, rows)
     print(f"\n{meta}")
     print(f"{'shape':10s} {'row':46s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'GiB':>6s}  phases")
     for r in rows:
@@ -232,6 +236,22 @@ def main() -> None:
         ph = " ".join(f"{k}={v:.1f}" for k, v in r.get("phases_ms", {}).items())
         print(f"{r['shape']:10s} {r['row']:46s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
               f"{r.get('peak_gib', 0):6.1f}  {ph}")
+
+
+def write_json(out_dir, device, rate, rows) -> dict:
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor(),
+            "dense_tflops": rate / 1e12}
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "train_step.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+    return meta
 
 
 if __name__ == "__main__":

@@ -124,8 +124,9 @@ class ParallelConfig:
         _one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
         _one_of(self.pp_balance, ("flops", "params", "layers"), "parallel.pp_balance")
         if self.pp_split:
-            _require(len(self.pp_split) == self.pp * self.pp_virtual_stages, "parallel.pp_split",
-                     f"{len(self.pp_split)} entries for pp*pp_virtual_stages = {self.pp * self.pp_virtual_stages} chunks",
+            chunks = self.pp * self.pp_virtual_stages
+            _require(len(self.pp_split) == chunks, "parallel.pp_split",
+                     f"{len(self.pp_split)} entries for pp*pp_virtual_stages = {chunks} chunks",
                      "give one layer count per chunk, or leave it empty to balance")
 
     @property
@@ -406,3 +407,14 @@ def validate_cross(cfg: RootConfig) -> None:
     if p.pp_virtual_stages > 1:
         _require(p.pp_schedule == "interleaved", "parallel.pp_virtual_stages", "needs the interleaved schedule",
                  "set parallel.pp_schedule=interleaved or pp_virtual_stages=1")
+    if p.pp > 1:
+        # the pipeline's micro-batches are the gradient-accumulation micro-batches of train.micro_batch_size sequences
+        accum = t.global_batch_size // per_step
+        _require(p.microbatches == accum, "parallel.microbatches",
+                 f"{p.microbatches}, but train.global_batch_size / (dp*ep*train.micro_batch_size) = {accum} "
+                 "micro-batches run through each pipeline per step",
+                 f"set parallel.microbatches={accum} or change train.micro_batch_size / global_batch_size")
+        if not p.pp_split:
+            chunks = p.pp * p.pp_virtual_stages
+            _require(m.n_layers >= chunks, "parallel.pp", f"{m.n_layers} layers cannot fill pp*pp_virtual_stages = "
+                     f"{chunks} chunks", "lower parallel.pp / pp_virtual_stages, or give parallel.pp_split")

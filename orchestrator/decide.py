@@ -16,6 +16,8 @@ Policy, in the order a reader asks about it:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from moe_launch.orchestrator.events import (
     Event,
     Fault,
@@ -75,26 +77,27 @@ def _initial_launch(state: SupervisorState, ev: PreflightDone) -> Action:
 
 def _swap_out(state: SupervisorState, out: tuple[str, ...], why: str, *, exclude: bool,
               fault=None, failure=None) -> Action:
-    """Replace `out` (active nodes) with buffers and relaunch; `out` is excluded or set aside as suspects."""
+    """Replace `out` (active nodes) with buffers and relaunch; `out` is excluded or set aside as suspects. When the
+    run must stop instead, `out` still leaves the job, so the record (and a resubmission) never reuses it."""
     out = tuple(n for n in state.active if n in out)
+    gone = {"exclude": {n: why for n in out} if exclude else {},
+            "suspects": state.suspects if exclude else state.suspects + out}
+    remaining = tuple(n for n in state.active if n not in out)
     buffers = list(state.buffers)
     if len(buffers) < len(out):
         return Action(
-            kind="stop", status="failed", exclude={n: why for n in out} if exclude else {},
-            suspects=state.suspects if exclude else state.suspects + out, fault=fault,
+            kind="stop", status="failed", nodes=remaining, fault=fault, **gone,
             reason=f"buffers exhausted: lost {_names(out)} ({why}) with {len(buffers)} buffer(s) left; "
                    f"the run stops and keeps its checkpoints — resubmit with more cluster.buffers to resume",
         )
     if state.restarts >= state.max_restarts:
-        return _max_restarts(state, why, fault)
+        return replace(_max_restarts(state, why, fault), nodes=remaining, **gone)
     swaps = tuple((n, buffers.pop(0)) for n in out)
     swap_in = dict(swaps)
     nodes = tuple(swap_in.get(n, n) for n in state.active)
     return Action(
         kind="relaunch", nodes=nodes, buffers=tuple(buffers), swaps=swaps, fault=fault, failure=failure,
-        exclude={n: why for n in out} if exclude else {},
-        suspects=state.suspects if exclude else state.suspects + out,
-        recheck=() if exclude else out,
+        recheck=() if exclude else out, **gone,
         reason=f"{why}: " + ", ".join(f"{a} -> {b}" for a, b in swaps) + "; resume from the newer checkpoint",
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import sys
 import threading
@@ -96,6 +97,7 @@ class Supervisor:
         self.watcher = Watcher(rd, cfg.supervisor.hang_timeout_s, cfg.supervisor.launch_timeout_s)
         self.step: Optional[Step] = None
         self.pending: list[Event] = []
+        self.checked: queue.Queue[SuspectChecked] = queue.Queue()  # results of background re-checks
         self.lost_seen: set[str] = set()
         self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
         self.stop_seen = False
@@ -144,13 +146,15 @@ class Supervisor:
             self.failure_t = time.time() if action.kind == "relaunch" else None
             self._end_step(graceful=False)
             self._launch()
-            for node in action.recheck:
-                self.pending.append(self.recheck(node))
+            if action.recheck:  # in the background: the new attempt must be watched meanwhile
+                threading.Thread(target=self._recheck_all, args=(action.recheck,), daemon=True).start()
         elif action.kind == "stop":
             self._end_step(graceful=self.state.status in ("preempted", "stopped"))
 
     def observe(self) -> list[Event]:
         events, self.pending = self.pending, []
+        while not self.checked.empty():
+            events.append(self.checked.get())
         now = time.time()
         if not self.stop_seen and (self.rd.root / STOP_FILE).exists():
             self.stop_seen = True
@@ -213,6 +217,13 @@ class Supervisor:
             return PreflightDone(healthy=nodes)
         failed = {n: "; ".join(r) if isinstance(r, (list, tuple)) else str(r) for n, r in result.failed.items()}
         return PreflightDone(healthy=tuple(n for n in nodes if n in set(result.healthy)), failed=failed)
+
+    def _recheck_all(self, nodes: tuple[str, ...]) -> None:
+        for node in nodes:
+            try:
+                self.checked.put(self.recheck(node))
+            except Exception as e:  # noqa: BLE001 — a crashed check must not clear the node, nor kill the loop
+                self.checked.put(SuspectChecked(node, healthy=False, detail=f"re-check crashed: {e!r}"))
 
     def recheck(self, node: str) -> SuspectChecked:
         result = self._run_preflight((node,))

@@ -69,7 +69,7 @@ class Trainer:
         self.hosts: list[str] = self.comm.all_gather_object(self.host)
         self.coords = Coords(rank=self.rank, dp_rank=self.groups.dp_rank, ep_rank=self.groups.ep_rank,
                              ep_size=self.groups.ep_size, optimizer_sharding=p.optimizer_sharding,
-                             is_moe=cfg.model.kind == "moe")
+                             is_moe=cfg.model.kind == "moe", dp_size=self.groups.dp_size)
         set_determinism(t.deterministic, device)
         self.dtype = compute_dtype(t.dtype, device)
         if p.pp > 1:

@@ -231,3 +231,12 @@ def test_simulated_1024_node_allocation_with_12_buffers_and_30_staggered_failure
     check_pools(s, nodes)
     print(f"\n1024-node simulation: {len(timings)} decisions, max {max(timings) * 1e3:.2f} ms, "
           f"mean {sum(timings) / len(timings) * 1e3:.3f} ms; excluded {len(s.excluded)}, buffers left {len(s.buffers)}")
+
+
+def test_a_stop_still_takes_the_failed_node_out_of_the_job():
+    s = launched(n=2, b=0)
+    s, a = step(s, StepExited(attempt=0, code=1, dead_nodes=("node2",)))
+    assert a.kind == "stop" and s.active == ("node1",) and "node2" in s.excluded
+    s = launched(n=2, b=2, max_restarts=0)
+    s, a = step(s, Fault(attempt=0, node="node1", rank=0, step=3, what="nan loss"))
+    assert a.kind == "stop" and "max_restarts" in a.reason and s.active == ("node2",) and s.suspects == ("node1",)

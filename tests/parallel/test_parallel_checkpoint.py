@@ -24,7 +24,7 @@ STEPS, STOP_AT = 5, 3
 
 def _coords(groups, strategy: str) -> layout.Coords:
     return layout.Coords(rank=groups.world_rank, dp_rank=groups.dp_rank, ep_rank=groups.ep_rank,
-                         ep_size=groups.ep_size, optimizer_sharding=strategy, is_moe=True)
+                         ep_size=groups.ep_size, optimizer_sharding=strategy, is_moe=True, dp_size=groups.dp_size)
 
 
 def _save(ckpt: Path, groups, model, opt, strategy: str) -> None:

@@ -91,3 +91,20 @@ def test_stages_hold_exactly_the_slices_of_the_unpipelined_model(kind):
             assert name not in names
             names.add(name)
     assert names == set(full)
+
+
+def test_root_config_checks_for_pipelines():
+    from moe_launch.conf.schema import ClusterConfig, RootConfig, TrainConfig
+
+    def root(**parallel):
+        p = ParallelConfig(**parallel)
+        return RootConfig(parallel=p, cluster=ClusterConfig(nodes=p.world_size),
+                          train=TrainConfig(global_batch_size=8, micro_batch_size=2))
+
+    assert root(pp=2, microbatches=4).parallel.microbatches == 4  # 8 / (1 * 2) micro-batches per pipeline
+    with pytest.raises(ConfigError, match="parallel.microbatches=4"):
+        root(pp=2, microbatches=2)
+    with pytest.raises(ConfigError, match="parallel.pp:"):
+        root(pp=2, microbatches=4, pp_schedule="interleaved", pp_virtual_stages=2)  # 2 layers, 4 chunks
+    with pytest.raises(ConfigError, match="parallel.pp_balance"):
+        ParallelConfig(pp_balance="bytes")

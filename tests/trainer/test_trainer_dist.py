@@ -25,10 +25,12 @@ def test_dp2_matches_dp1_with_the_same_global_batch(tmp_path, data_cache):
     for a, b in zip(m1, m2):
         for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
-    # the checkpoint is written scattered: each rank its own RNG file, rank 0 the model and trainer state
+    # the checkpoint is written scattered: each rank its own RNG file; the model (shard m = 1 at EP=1) by DP index
+    # 1 mod 2 = rank 1 (DP-scattered writes), the trainer state by rank 0
     manifest = read_manifest(choose_resume_slot(two.checkpoints).path)
     writers = {rel: info["rank"] for rel, info in manifest["files"].items()}
-    assert writers["rng/rank1.pt"] == 1 and writers["rng/rank0.pt"] == 0 and writers["model/dense.pt"] == 0
+    assert writers["rng/rank1.pt"] == 1 and writers["rng/rank0.pt"] == 0 and writers["model/dense.pt"] == 1
+    assert writers["trainer.pt"] == 0
     beats = {r: json.loads((two.heartbeat / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert beats[0]["step"] == beats[1]["step"] == 4 and beats[1]["host"] == "node1"
 

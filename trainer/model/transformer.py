@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_launch.conf.schema import ModelConfig
 from moe_launch.errors import DataError
 from moe_launch.trainer.model.attention import Attention
+from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.model.mlp import SwiGLU
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
@@ -65,6 +65,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
     def forward_with_stats(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[RouterStats]]:
+        h_BSD, stats = self.hidden_with_stats(tokens_BS)
+        return self.lm_head(h_BSD), stats
+
+    def hidden_with_stats(self, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, list[RouterStats]]:
+        """The final-normed hidden states (the output head's input) and the router stats of every MoE layer."""
         if tokens_BS.shape[1] > self.cfg.max_seq_len:
             raise DataError(f"sequence length {tokens_BS.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}; "
                             "lower train.seq_len or raise model.max_seq_len")
@@ -74,16 +79,18 @@ class Transformer(nn.Module):
             x_BSD, s = block(x_BSD)
             if s is not None:
                 stats.append(s)
-        return self.lm_head(self.norm(x_BSD)), stats
+        return self.norm(x_BSD), stats
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         return self.forward_with_stats(tokens_BS)[0]
 
     def compute_loss(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor) -> tuple[torch.Tensor, LossParts]:
         """Mean next-token cross-entropy (fp32) + aux_coef * sum_l aux_l + z_coef * sum_l z_l (Megatron's per-layer
-        sum). Returns the loss to backpropagate and its detached parts."""
-        logits_BSV, stats = self.forward_with_stats(inputs_BS)
-        lm_loss = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+        sum). Returns the loss to backpropagate and its detached parts. The head and cross-entropy run chunked over
+        tokens (trainer/model/loss.py): the whole batch's logits are never materialised; within fp32 rounding of
+        `F.cross_entropy(self(inputs).float(), targets)`."""
+        h_BSD, stats = self.hidden_with_stats(inputs_BS)
+        lm_loss = chunked_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten())
         zero = lm_loss.new_zeros(())
         aux = torch.stack([s.aux_loss for s in stats]).sum() * self.cfg.moe.aux_loss_coef if stats else zero
         z = torch.stack([s.z_loss for s in stats]).sum() * self.cfg.moe.z_loss_coef if stats else zero

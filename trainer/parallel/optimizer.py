@@ -30,6 +30,23 @@ reached it through the token exchange), so the global-mean loss needs 1/(dp*ep).
 Master weights are fp32 copies of this rank's shard (the model's parameters may be bf16); the optimizer state per
 shard element is master + exp_avg + exp_avg_sq = 12 bytes. Build the optimizer after the weights are final (loaded
 and broadcast), or call `sync_master_from_params()` afterwards.
+
+Gradient buffers (as DDP's gradient_as_bucket_view / Megatron's contiguous grad buffer). Each bucket owns one flat,
+padded gradient buffer and every `p.grad` is a view into it, set at construction and kept: `zero_grad()` zeroes the
+buffer in place and never sets a gradient to None, so autograd's AccumulateGrad adds each backward's gradient into
+the view (it replaces `.grad` only while it is undefined) and the buffer IS the bucket's flat gradient: no
+concatenation, no second copy. The buffer has the parameters' dtype, because `.grad` must match its parameter's dtype:
+fp32 parameters (bf16 autocast) get an fp32 buffer; bf16 parameters get a bf16 buffer, i.e. micro-batches accumulate
+in bf16. We chose that over an fp32 main-grad filled by hooks because an fp32 buffer beside bf16 weights costs 4 more
+bytes per parameter, which is what the 16-layer OLMoE shape on one 141 GB GPU cannot spare. bf16 buffers are reduced
+in fp32 across ranks (a temporary fp32 copy, as before) and converted to fp32 chunk by chunk for the norm and update.
+Code that assigns `p.grad` itself (tests, other tools) still works: `reduce_grads()` copies a gradient that is not the
+view into the buffer (None counts as zeros) and puts the view back. After `reduce_grads()` the buffer's content is
+scratch (it may hold the reduced, clipped gradient) until `zero_grad()`.
+
+Update. On CUDA the AdamW update runs as `torch._fused_adamw_` (one multi-tensor kernel per weight-decay value and
+chunk list, same math as torch.optim.AdamW: decoupled decay, bias correction, eps outside the sqrt); elsewhere (and
+with fused=False) the element-wise sequence of torch.optim.AdamW's single-tensor path, bitwise equal to it on CPU.
 """
 
 from __future__ import annotations
@@ -46,6 +63,7 @@ from moe_launch.trainer.parallel.comm import all_gather, all_reduce_, reduce_sca
 from moe_launch.trainer.parallel.groups import Axis, Groups
 
 STRATEGIES = ("none", "zero1", "epso")
+CHUNK = 1 << 27  # elements per update/norm chunk: bounds the fp32 copy of a bf16 gradient to 512 MiB
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -72,7 +90,10 @@ class Bucket:
     master: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # fp32 [shard_len]
     exp_avg: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     exp_avg_sq: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    grad: Optional[torch.Tensor] = None  # fp32 [shard_len], the reduced gradient shard after reduce_grads()
+    grad: Optional[torch.Tensor] = None  # [shard_len], the reduced gradient shard after reduce_grads()
+    grad_coef: float = 1.0  # clip coefficient not yet applied to `grad` (only for a non-fp32 `grad`)
+    grad_buffer: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [padded], the params' dtype
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # p.grad of each parameter, views of grad_buffer
 
     @property
     def shard_count(self) -> int:
@@ -90,19 +111,52 @@ class Bucket:
     def shard_lo(self) -> int:
         return self.shard_axis.rank * self.shard_len
 
-    def _flat(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        device = self.params[0].device
-        pad = torch.zeros(self.padded - self.numel, dtype=dtype, device=device)
-        return torch.cat([t.reshape(-1).to(dtype) for t in parts] + [pad])  # one write of the whole bucket
+    def param_pieces(self, lo: int, hi: int):
+        """(param, start in param, start in [lo, hi), length) of every parameter overlapping flat range [lo, hi)."""
+        for p, off in zip(self.params, self.offsets):
+            a, c = max(lo, off), min(hi, off + p.numel())
+            if a < c:
+                yield p, a - off, a - lo, c - a
 
-    def flat_params(self, dtype: torch.dtype) -> torch.Tensor:
-        """The full padded flat copy of the bucket's parameters (padding zero)."""
-        return self._flat([p.detach() for p in self.params], dtype)
+    def flat_params(self, dtype: torch.dtype, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
+        """Flat range [lo, hi) of the padded parameter layout (padding zero) in `dtype`, without a full flat copy."""
+        hi = self.padded if hi is None else hi
+        out = torch.zeros(hi - lo, dtype=dtype, device=self.params[0].device)
+        for p, src, dst, n in self.param_pieces(lo, hi):
+            out[dst : dst + n].copy_(p.detach().reshape(-1)[src : src + n])
+        return out
+
+    def attach_grad_buffer(self) -> None:
+        """Allocate the flat gradient buffer and make every parameter's .grad a view into it."""
+        self.grad_buffer = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.grad_views = [self.grad_buffer[off : off + p.numel()].view_as(p)
+                           for p, off in zip(self.params, self.offsets)]
+        for p, view in zip(self.params, self.grad_views):
+            p.grad = view
 
     def flat_grads(self) -> torch.Tensor:
-        """fp32 padded flat gradient; a parameter without a gradient (unused this step) contributes zeros."""
-        parts = [p.grad if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        return self._flat(parts, torch.float32)
+        """The padded flat gradient: the buffer itself. A gradient that someone assigned instead of accumulating into
+        the view is copied in (None: zeros), and the view is put back."""
+        for p, view in zip(self.params, self.grad_views):
+            g = p.grad
+            if g is None or g.data_ptr() != view.data_ptr() or g.shape != view.shape or g.dtype != view.dtype:
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+                p.grad = view
+        return self.grad_buffer
+
+    def grad_chunks(self):
+        """The reduced gradient shard as fp32 chunks of at most CHUNK elements (views when it is fp32 already;
+        a deferred clip coefficient is applied to converted chunks)."""
+        for lo in range(0, self.shard_len, CHUNK):
+            g = self.grad[lo : lo + CHUNK]
+            if g.dtype != torch.float32:
+                g = g.float()
+                if self.grad_coef != 1.0:
+                    g.mul_(self.grad_coef)
+            yield lo, g
 
 
 def _axes_for(strategy: str, expert: bool, groups: Groups) -> tuple[Axis, Axis]:
@@ -126,7 +180,9 @@ class ShardedAdamW:
         betas: tuple[float, float],
         eps: float,
         weight_decay: float,
+        fused: Optional[bool] = None,
     ):
+        """`fused`: use torch._fused_adamw_ for the update; None = on CUDA only (CPU keeps the bitwise reference)."""
         if strategy not in STRATEGIES:
             raise ConfigError("parallel.optimizer_sharding", f"got {strategy!r}", f"use one of {', '.join(STRATEGIES)}")
         self.groups, self.strategy = groups, strategy
@@ -134,6 +190,10 @@ class ShardedAdamW:
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
         self.buckets = self._make_buckets(named_params)
+        device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
+        self.fused = device.type == "cuda" if fused is None else fused
+        for b in self.buckets:
+            b.attach_grad_buffer()
         self.sync_master_from_params()
 
     def _make_buckets(self, named_params: list[tuple[str, nn.Parameter]]) -> list[Bucket]:
@@ -171,7 +231,7 @@ class ShardedAdamW:
         """(Re)take the fp32 master shards from the current parameters; moments are kept (zeros on first call)."""
         for b in self.buckets:
             lo, n = b.shard_lo, b.shard_len
-            b.master = b.flat_params(torch.float32)[lo : lo + n].clone()
+            b.master = b.flat_params(torch.float32, lo, lo + n)
             if b.exp_avg.numel() != n:
                 b.exp_avg = torch.zeros_like(b.master)
                 b.exp_avg_sq = torch.zeros_like(b.master)
@@ -223,22 +283,28 @@ class ShardedAdamW:
         self.step_count = int(sd["step"])
 
     # -- the step ------------------------------------------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
+        """Zero the gradient buffers in place; every p.grad stays (or becomes again) a view into its bucket."""
         for b in self.buckets:
-            b.grad = None
-            for p in b.params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+            b.grad, b.grad_coef = None, 1.0
+            b.grad_buffer.zero_()
+            for p, view in zip(b.params, b.grad_views):
+                if p.grad is not view:
+                    p.grad = view
 
     def reduce_grads(self) -> None:
-        """Average the gradients over the data ranks (see the module docstring) into per-bucket fp32 shards."""
+        """Average the gradients over the data ranks (see the module docstring) into per-bucket shards. Without
+        communication the shard is the buffer itself (its own dtype); otherwise it is reduced in fp32."""
         scale = 1.0 / self.groups.data_size
         for b in self.buckets:
-            shard = reduce_scatter(b.flat_grads(), b.shard_axis)  # a fresh buffer either way
+            flat = b.flat_grads()
+            if (b.shard_axis.size > 1 or b.extra_axis.size > 1) and flat.dtype != torch.float32:
+                flat = flat.float()  # sum over ranks in fp32, as torch.optim would see it
+            shard = reduce_scatter(flat, b.shard_axis)  # the buffer itself on a single-member axis
             all_reduce_(shard, b.extra_axis)
-            b.grad = shard.mul_(scale)
+            if scale != 1.0:
+                shard.mul_(scale)
+            b.grad, b.grad_coef = shard, 1.0
 
     def _require_reduced(self) -> None:
         if any(b.grad is None for b in self.buckets):
@@ -247,51 +313,83 @@ class ShardedAdamW:
     def grad_norm(self) -> float:
         """The global L2 norm of the reduced gradient: each rank adds the squares of its shards only where it is the
         first of the ranks holding that same shard (extra_axis.rank == 0), then the sum is all-reduced over the world,
-        so replicated parameters count once and every expert shard on every EP rank counts."""
+        so replicated parameters count once and every expert shard on every EP rank counts. Norms are taken in fp32
+        per chunk; only the few per-chunk squares are summed in fp64."""
         self._require_reduced()
         device = self.buckets[0].master.device if self.buckets else torch.device("cpu")
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        for b in self.buckets:
-            if b.extra_axis.rank == 0 and b.grad.numel():
-                sq += b.grad.double().square().sum()
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32)
+                 for b in self.buckets if b.extra_axis.rank == 0 for _, g in b.grad_chunks()]
+        sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                   device=device)
         all_reduce_(sq, self.groups.world)
         return math.sqrt(sq.item())  # note: a host sync
 
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Scale the reduced gradients so that the global norm is at most `max_norm` (0 disables scaling, the norm is
         still returned). Same coefficient as torch.nn.utils.clip_grad_norm_. A non-finite norm is returned without
-        touching the gradients: the caller skips the step."""
+        touching the gradients: the caller skips the step. A bf16 shard is scaled when converted (no bf16 rounding)."""
         norm = self.grad_norm()
         if max_norm > 0 and math.isfinite(norm):
             coef = max_norm / (norm + 1e-6)
             if coef < 1.0:
                 for b in self.buckets:
-                    b.grad.mul_(coef)
+                    if b.grad.dtype == torch.float32:
+                        b.grad.mul_(coef)
+                    else:
+                        b.grad_coef *= coef
         return norm
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
         self._require_reduced()
         self.step_count += 1
+        for b in self.buckets:
+            if b.shard_len:
+                (self._fused_update if self.fused else self._reference_update)(b, lr)
+            self._write_back(b)
+
+    def _reference_update(self, b: Bucket, lr: float) -> None:
+        """The same element-wise sequence as torch.optim.AdamW (single-tensor path); element-wise, so chunking does
+        not change a bit."""
         t = self.step_count
         bias_correction1 = 1 - self.beta1**t
         bias_correction2_sqrt = (1 - self.beta2**t) ** 0.5
         step_size = lr / bias_correction1
-        for b in self.buckets:
-            if b.shard_len:
-                # the same element-wise sequence as torch.optim.AdamW (single-tensor path)
-                if b.weight_decay:
-                    b.master.mul_(1 - lr * b.weight_decay)
-                b.exp_avg.lerp_(b.grad, 1 - self.beta1)
-                b.exp_avg_sq.mul_(self.beta2).addcmul_(b.grad, b.grad, value=1 - self.beta2)
-                denom = (b.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-                b.master.addcdiv_(b.exp_avg, denom, value=-step_size)
-            self._write_back(b)
+        for lo, g in b.grad_chunks():
+            hi = lo + g.numel()
+            master, exp_avg, exp_avg_sq = b.master[lo:hi], b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi]
+            if b.weight_decay:
+                master.mul_(1 - lr * b.weight_decay)
+            exp_avg.lerp_(g, 1 - self.beta1)
+            exp_avg_sq.mul_(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            master.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def _fused_update(self, b: Bucket, lr: float) -> None:
+        """torch._fused_adamw_ over the bucket's chunks (one kernel per chunk list; the step count is read, not
+        incremented, by the kernel). Lists are built per chunk so a bf16 gradient is converted 512 MiB at a time."""
+        step_t = torch.full((), float(self.step_count), dtype=torch.float32, device=b.master.device)
+        masters, grads, avgs, avg_sqs = [], [], [], []
+        for lo, g in b.grad_chunks():
+            hi = lo + g.numel()
+            masters.append(b.master[lo:hi])
+            grads.append(g)
+            avgs.append(b.exp_avg[lo:hi])
+            avg_sqs.append(b.exp_avg_sq[lo:hi])
+            if g.dtype != b.grad.dtype or hi == b.shard_len:  # a converted copy runs at once (memory)
+                torch._fused_adamw_(masters, grads, avgs, avg_sqs, [], [step_t] * len(masters), lr=lr,
+                                    beta1=self.beta1, beta2=self.beta2, weight_decay=b.weight_decay, eps=self.eps,
+                                    amsgrad=False, maximize=False)
+                masters, grads, avgs, avg_sqs = [], [], [], []
 
     def _write_back(self, b: Bucket) -> None:
-        """All-gather the updated shards (in the parameters' dtype: half the bytes for bf16) into the parameters."""
-        dtype = b.params[0].dtype
-        full = all_gather(b.master.to(dtype), b.shard_axis)
+        """Copy the updated master into the parameters (casting to their dtype); with a sharded bucket, all-gather
+        the shards in the parameters' dtype first (half the bytes for bf16)."""
+        if b.shard_axis.size == 1:
+            for p, src, dst, n in b.param_pieces(0, b.numel):
+                p.data.view(-1)[src : src + n].copy_(b.master[dst : dst + n])
+            return
+        full = all_gather(b.master.to(b.params[0].dtype), b.shard_axis)
         for p, off in zip(b.params, b.offsets):
             p.data.copy_(full[off : off + p.numel()].view_as(p))
 

@@ -1,0 +1,95 @@
+"""Output head + cross-entropy without the whole batch's logits: chunked over tokens, gradients taken in the forward.
+
+Shapes: T tokens (batch x sequence, flattened), D model dim, V vocabulary, C tokens of one chunk.
+
+`F.cross_entropy(lm_head(h_TD).float(), y_T)` materialises T x V logits in the compute dtype, their fp32 copy, the
+fp32 softmax and its gradient: at 16k tokens x 50k vocabulary that is several GiB written and read a few times. Here
+each chunk of C tokens computes its logits (matmul in the compute dtype, like the autocast path), the fp32
+log-sum-exp and loss, and at once the gradient of the mean loss with respect to its logits, (softmax - onehot) / N,
+which it turns into the chunk's share of dh and dW with two more matmuls. Only dh_TD and dW_VD (fp32) live until
+backward, which just scales them by the incoming gradient. FLOPs equal the unfused path's (one forward and two
+backward matmuls); nothing is recomputed. Without grad (eval) no gradient is taken.
+
+Numerics: the matmuls run in `compute_dtype` (the autocast dtype when autocast is on, else the weight's dtype) and
+everything after them in fp32, as in the reference; dW is accumulated in fp32 over chunks. `ignore_index` targets
+count neither in the loss nor in N, as in F.cross_entropy's mean reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 512 MiB in fp32
+
+
+def chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk: about CHUNK_ELEMENTS logits, a multiple of 128 rows for the matmuls."""
+    return max(128, (CHUNK_ELEMENTS // vocab_size) // 128 * 128)
+
+
+def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_valid: torch.Tensor, want_grad: bool):
+    """Summed loss of one chunk and, if wanted, the gradient of (sum of chunk losses / n_valid) w.r.t. its logits
+    (fp32 math, returned in the matmul dtype)."""
+    logits_CV = (h_CD @ w_VD.t()).float()
+    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    valid_C = y_C != IGNORE_INDEX
+    y_safe_C = torch.where(valid_C, y_C, 0)
+    target_logit_C = logits_CV.gather(1, y_safe_C[:, None]).squeeze(1)
+    loss_sum = torch.where(valid_C, lse_C - target_logit_C, 0.0).sum()
+    if not want_grad:
+        return loss_sum, None
+    # softmax in place of the fp32 logits (the chunk's largest buffer), minus one at the target, over N
+    p_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+    p_CV.scatter_add_(1, y_safe_C[:, None], -valid_C[:, None].to(p_CV.dtype))
+    p_CV.mul_((valid_C.to(p_CV.dtype) / n_valid)[:, None])
+    return loss_sum, p_CV.to(h_CD.dtype)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_TD, w_VD, y_T, compute_dtype, chunk, want_grad):
+        with torch.autocast(h_TD.device.type, enabled=False):
+            hc_TD, wc_VD = h_TD.to(compute_dtype), w_VD.to(compute_dtype)
+            valid_T = y_T != IGNORE_INDEX
+            n_valid = valid_T.sum().clamp_min(1).to(torch.float32)  # stays on the device: no host sync
+            total = torch.zeros((), dtype=torch.float32, device=h_TD.device)
+            dh_TD = torch.empty_like(hc_TD) if want_grad else None
+            dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if want_grad else None
+            for lo in range(0, h_TD.shape[0], chunk):
+                h_CD, y_C = hc_TD[lo : lo + chunk], y_T[lo : lo + chunk]
+                loss_sum, g_CV = _chunk_loss(h_CD, wc_VD, y_C, n_valid, want_grad)
+                total += loss_sum
+                if want_grad:
+                    torch.mm(g_CV, wc_VD, out=dh_TD[lo : lo + chunk])
+                    dw_VD += (g_CV.t() @ h_CD).float()
+        ctx.save_for_backward(dh_TD, dw_VD)
+        ctx.h_dtype, ctx.w_dtype = h_TD.dtype, w_VD.dtype
+        return total / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        dh_TD, dw_VD = ctx.saved_tensors
+        if dh_TD is None:
+            raise RuntimeError("chunked_cross_entropy ran without grad enabled; run it with grad to backpropagate")
+        # out of place (backward may run twice with retain_graph); a product with 1.0 is exact
+        dh_TD = (dh_TD * grad_out.to(dh_TD.dtype)).to(ctx.h_dtype)
+        dw_VD = (dw_VD * grad_out).to(ctx.w_dtype)
+        return dh_TD, dw_VD, None, None, None, None
+
+
+def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Tensor,
+                          chunk: Optional[int] = None) -> torch.Tensor:
+    """mean_t CE(h_TD[t] @ w_VD.T, y_T[t]) over targets != IGNORE_INDEX, as
+    `F.cross_entropy((h_TD @ w_VD.T).float(), y_T)` computes it, in chunks of `chunk` tokens (default: about
+    CHUNK_ELEMENTS logits). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype."""
+    device_type = h_TD.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(h_TD.dtype, w_VD.dtype)
+    want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or w_VD.requires_grad)
+    chunk = chunk or chunk_tokens(w_VD.shape[0])
+    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, y_T, compute_dtype, chunk, want_grad)
