@@ -159,7 +159,7 @@ def hf(model_cfg, batch_BS1, device):
         opt.zero_grad(set_to_none=True)
         out["loss"] = loss
 
-    times = timed_steps(step, device, warmup=2, iters=8 if device.type == "cuda" else 2)
+    times = timed_steps(step, device, warmup=2, iters=5 if device.type == "cuda" else 2)
     res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
     del model, opt
     return res
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="", help="comma list of row names to run")
-    ap.add_argument("--budget-s", type=float, default=140.0, help="skip the remaining rows after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=75.0, help="skip the remaining rows after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

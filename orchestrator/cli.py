@@ -101,7 +101,7 @@ def _run_app(cfg_node, run_dir: Path) -> int:
     from moe_launch.conf.load import dump_config
     from moe_launch.orchestrator import login
     from moe_launch.orchestrator.render import render_sbatch
-    from moe_launch.rundir import RunDir
+    from moe_launch.rundir import RunDir, journal_event
 
     try:
         cfg = OmegaConf.to_object(cfg_node)
@@ -122,6 +122,10 @@ def _run_app(cfg_node, run_dir: Path) -> int:
             print(f"# cluster.kind=local: the supervisor runs here as: {' '.join(p.supervisor_argv)}")
         return 0
     rd = RunDir(run_dir).make()
+    if rd.summary.exists():  # a stopped run started again under its name: keep the old outcome, resume its checkpoints
+        kept = rd.root / f"summary-{len(list(rd.root.glob('summary-*.json')))}.json"
+        rd.summary.rename(kept)
+        journal_event(rd, "info", (), message=f"started again; the previous outcome is kept in {kept.name}")
     dump_config(cfg, rd.config)
     try:
         handle = login.submit(cfg, rd, p)

@@ -8,6 +8,7 @@ login session died.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -136,8 +137,27 @@ def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
     return 0 if summary.get("status") == "completed" else 1
 
 
+class _ResubmitLock:
+    """Only one follower (the original login session or an `attach`) may resubmit: an flock on runs/<name>/.login.lock,
+    taken without blocking and kept; the others only watch, and take over when the holder's process ends."""
+
+    def __init__(self, rd: RunDir):
+        self.file = open(rd.root / ".login.lock", "a")
+        self.held = False
+
+    def acquire(self) -> bool:
+        if not self.held:
+            try:
+                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.held = True
+            except BlockingIOError:
+                pass
+        return self.held
+
+
 def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView]) -> None:
     gone_since: Optional[float] = None
+    lock = _ResubmitLock(rd)
     while True:
         if view is not None:
             view.update()
@@ -152,8 +172,8 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
-        elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists():
-            _allocation_ended(cfg, rd, records, len(started))
+        elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists() and lock.acquire():
+            _allocation_ended(cfg, rd, read_jsonl(rd.journal), len(handles(read_jsonl(rd.journal))))
             gone_since = None
         time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
 
@@ -177,7 +197,10 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
     except (ConfigError, SubmissionError) as e:
         return _final(rd, state, wall, "failed", f"the allocation ended and a new one cannot be submitted: {e}",
                       resubmits)
+    allocs = [r for r in records if r.get("kind") == "allocation"]  # name the node the ended supervisor ran on
+    lost_host = allocs[-1]["details"].get("supervisor_host") if allocs else None
     journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
+                  previous_supervisor_host=lost_host,
                   reason="the allocation ended without a summary (supervisor node lost, time limit or preemption)")
 
 

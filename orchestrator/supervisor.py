@@ -96,13 +96,13 @@ class Supervisor:
         self.cluster = cluster or make_cluster(cfg)
         self.watcher = Watcher(rd, cfg.supervisor.hang_timeout_s, cfg.supervisor.launch_timeout_s)
         self.step: Optional[Step] = None
-        self.pending: list[Event] = []
         self.checked: queue.Queue[SuspectChecked] = queue.Queue()  # results of background re-checks
         self.lost_seen: set[str] = set()
         self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
         self.stop_seen = False
         self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
         self.state: SupervisorState
+        self.scheduler: SchedulerWatch  # started by run()
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -152,7 +152,7 @@ class Supervisor:
             self._end_step(graceful=self.state.status in ("preempted", "stopped"))
 
     def observe(self) -> list[Event]:
-        events, self.pending = self.pending, []
+        events: list[Event] = []
         while not self.checked.empty():
             events.append(self.checked.get())
         now = time.time()

@@ -104,7 +104,7 @@ def test_lost_supervisor_is_resubmitted_and_the_run_resumes(tmp_path):
     assert summary["status"] == "completed" and summary["resubmits"] == 1 and summary["steps_done"] == 40
     assert summary["attempts"] == 2  # attempt numbers continue across allocations
     steps = [m["step"] for m in read_jsonl(rd / "metrics.jsonl")]
-    assert min(s for a, s in zip(steps, steps[1:]) if s <= a) >= 8  # resumed from a checkpoint, not from scratch
+    assert steps.count(1) == 1 and steps[-1] == 40  # resumed from a checkpoint, not from scratch
 
 
 def test_preempted_trainer_is_resubmitted_and_resumes(tmp_path):

@@ -35,7 +35,7 @@ def make_cfg(tmp_path, nodes=2, buffers=1, fault=None, steps=12, **sup) -> tuple
         train=TrainConfig(steps=steps, step_sleep_s=0.05, ckpt_interval=4, global_batch_size=4 * nodes,
                           fault_injection=fault or FaultInjection()),
         health=HealthConfig(preflight=False),
-        supervisor=SupervisorConfig(**{"poll_s": 0.05, "hang_timeout_s": 1.5, "trainer_command": [sys.executable, FAKE],
+        supervisor=SupervisorConfig(**{"poll_s": 0.05, "hang_timeout_s": 15.0, "trainer_command": [sys.executable, FAKE],
                                        **sup}),
         run=RunConfig(name="t", root=str(tmp_path)),
     )
@@ -96,7 +96,7 @@ def test_deterministic_nan_stops_with_diagnosis(tmp_path, monkeypatch):
 
 
 def test_hang_detected_and_stalled_node_replaced(tmp_path):
-    cfg, rd = make_cfg(tmp_path, fault=FaultInjection(kind="hang", rank=1, step=5), steps=8)
+    cfg, rd = make_cfg(tmp_path, fault=FaultInjection(kind="hang", rank=1, step=5), steps=8, hang_timeout_s=3.0)
     code, summary, journal = run(cfg, rd)
     assert code == 0 and summary["status"] == "completed"
     hang = next(r for r in journal if r["details"].get("event") == "Hang")

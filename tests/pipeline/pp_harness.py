@@ -24,6 +24,15 @@ def _worker(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., An
 
 
 def spawn(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=True)
-        return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world)]
+    """One retry, only when the rendezvous port was taken between free_port() and the bind (other test processes
+    on a shared machine pick ports too); any other failure propagates."""
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory() as out_dir:
+            try:
+                mp.spawn(_worker, args=(world, free_port(), out_dir, fn, args), nprocs=world, join=True)
+            except mp.ProcessRaisedException as e:
+                if attempt == 0 and "address already in use" in str(e).lower():
+                    continue
+                raise
+            return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world)]
+    raise AssertionError("unreachable")
