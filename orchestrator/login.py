@@ -173,7 +173,9 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         elif gone_since is None:
             gone_since = time.monotonic()
         elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists() and lock.acquire():
-            _allocation_ended(cfg, rd, read_jsonl(rd.journal), len(handles(read_jsonl(rd.journal))))
+            fresh = read_jsonl(rd.journal)  # another follower may have resubmitted before we got the lock
+            if handles(fresh)[-1]["handle"] == last["handle"]:
+                _allocation_ended(cfg, rd, fresh, len(handles(fresh)))
             gone_since = None
         time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
 
