@@ -102,7 +102,6 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
         res["peak_gib_step"] = torch.cuda.max_memory_allocated() / 2**30
     if phases:
         res["phases_ms"] = phase_breakdown(model, opt, inputs, targets, device, use_autocast)
-    del model, opt, out
     return res
 
 
@@ -161,7 +160,6 @@ def hf(model_cfg, batch_BS1, device):
 
     times = timed_steps(step, device, warmup=2, iters=5 if device.type == "cuda" else 2)
     res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
-    del model, opt
     return res
 
 

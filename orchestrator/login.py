@@ -168,7 +168,7 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         if not started:
             raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
         last = started[-1]
-        if handle_alive(last["cluster"], last["handle"]):
+        if handle_alive(last["cluster"], last["handle"]) and not _supervisor_lost(rd, records, last):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -178,6 +178,36 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
                 _allocation_ended(cfg, rd, fresh, len(handles(fresh)))
             gone_since = None
         time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
+
+
+_CANCELLED: set[str] = set()  # allocations this process cancelled because their supervisor's node was lost
+
+
+def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, Any]) -> bool:
+    """cluster=slurm: with --no-kill the job outlives the node its batch script (the supervisor) ran on; nobody then
+    watches the trainer. Seen as that node gone from the job's NodeList: cancel the job so it is resubmitted."""
+    if last["cluster"] != "slurm":
+        return False
+    if last["handle"] in _CANCELLED:
+        return True
+    allocs = [r for r in records if r.get("kind") == "allocation" and r["details"].get("job_id") == last["handle"]]
+    host = allocs[-1]["details"].get("supervisor_host") if allocs else None
+    if host is None:
+        return False
+    from moe_launch.orchestrator import slurm
+
+    try:
+        proc = slurm._run(["scontrol", "show", "job", "-o", last["handle"]], check=False)
+        nodes = slurm.hostnames(slurm.parse_job_field(proc.stdout, "NodeList") or "")
+    except SubmissionError:
+        return False  # a slurmctld hiccup: ask again next time
+    if proc.returncode != 0 or not nodes or host in nodes:
+        return False
+    _CANCELLED.add(last["handle"])
+    journal_event(rd, "failure", (host,), reason=f"allocation {last['handle']} lost its supervisor's node {host}; "
+                                                 "cancelling it to resubmit")
+    slurm.cancel(last["handle"])
+    return True
 
 
 def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]], started: int) -> None:

@@ -6,6 +6,10 @@ One optimizer step (`_step`):
   -> one all-reduce of [fault flag per rank | stop flag | loss parts]: every rank takes the same decision
   -> reduce gradients, clip, AdamW step (trainer/parallel/optimizer.py)
   -> heartbeat, metrics (rank 0), checkpoint / model checkpoint when due, preemption exit.
+Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage (trainer/pipeline/), the forward /
+backward of the micro-batches is one `pipeline_step` (its schedule interleaves them across stages), and checkpoints
+use the stage-sharded files of trainer/pipeline/ckpt.py; everything else (fault check, reduction, optimizer, metrics)
+is the same code, run per stage.
 Steps are 0-based inside (`step` = the batch index = the data position); records and checkpoints use the number of
 COMPLETED steps (`done` = step + 1). The process group must exist before a Trainer is built (see __main__.py).
 """
@@ -29,7 +33,7 @@ from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
 from moe_launch.trainer.dist import Comm
-from moe_launch.trainer.interop.hf import hf_path, load_hf_into_model
+from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.optim import clip_norm_at, lr_at
@@ -37,6 +41,8 @@ from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
+from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
+from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
 
 
@@ -72,31 +78,44 @@ class Trainer:
                              is_moe=cfg.model.kind == "moe", dp_size=self.groups.dp_size)
         set_determinism(t.deterministic, device)
         self.dtype = compute_dtype(t.dtype, device)
-        if p.pp > 1:
-            raise ConfigError("parallel.pp", f"got {p.pp}: this Trainer drives pp=1 (trainer/pipeline/ runs the "
-                              "pipelined step but is not wired into the loop yet)", "use parallel.pp=1")
         per_pass = self.groups.data_size * t.micro_batch_size
         if t.global_batch_size % per_pass:
             raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not a multiple of data ranks "
                               f"({self.groups.data_size}) x train.micro_batch_size", f"use a multiple of {per_pass}")
-        self.accum_steps = t.global_batch_size // per_pass
+        self.accum_steps = t.global_batch_size // per_pass  # under PP: the pipeline's micro-batches
+        if p.pp > 1 and p.microbatches != self.accum_steps:
+            raise ConfigError("parallel.microbatches", f"{p.microbatches}, but each pipeline runs {self.accum_steps} "
+                              "micro-batches of train.micro_batch_size per step",
+                              f"set parallel.microbatches={self.accum_steps}")
         self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
         self.stop_requested = False
 
-        torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
-        attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
+        torch.manual_seed(t.seed)  # every stage / rank draws the same init: a stage gets its slice of the PP=1 model
+        self.pipeline: Optional[Pipeline] = None
+        self.scoords: Optional[stage_ckpt.StageCoords] = None
+        if p.pp > 1:
+            self.pipeline = build_pipeline(cfg.model, p, self.groups, device)  # attaches the EP token exchange too
+            self.model = self.pipeline.model
+            self.scoords = stage_ckpt.StageCoords.of(self.groups, p.optimizer_sharding, cfg.model.kind == "moe")
+        else:
+            self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
+            attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute:
             apply_recompute(self.model, t.recompute)
         if t.compile:  # per block, as torchtitan does; in place, so parameter names (checkpoints, buckets) stay
-            for block in self.model.blocks:
+            # a stage keeps its blocks in a ModuleDict keyed by global layer index
+            blocks = self.model.blocks.values() if self.pipeline is not None else self.model.blocks
+            for block in blocks:
                 block.compile()
         self.loader = self._open_data()
         self.resume = self._choose_resume()
         self.start_step = self._load_model()
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         if self.resume.path is not None:
-            ckpt_state.load_optimizer(self.resume.path, self.coords, self.optimizer)
+            if self.scoords is not None:
+                stage_ckpt.load_optimizer(self.resume.path, self.scoords, self.optimizer)
+            else:
+                ckpt_state.load_optimizer(self.resume.path, self.coords, self.optimizer)
             ckpt_state.load_rng(self.resume.path, self.coords, device)
             self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
         self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
@@ -147,7 +166,7 @@ class Trainer:
                               fresh_optimizer=True, step=0, attempt=self.attempt)
         elif init_from is not None:  # hf:/path, an OLMoE-format save_pretrained directory
             if self.groups.dp_rank == 0:
-                load_hf_into_model(self.model, hf_path(init_from), self.groups.ep_rank, self.groups.ep_size)
+                self._load_hf(hf_path(init_from))
             broadcast_model(self.model, self.groups)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=init_from, model_only=True,
@@ -155,10 +174,26 @@ class Trainer:
         return 0
 
     def _load_and_broadcast(self, path) -> None:
-        """Only the first DP member of each EP rank reads the files; the others receive the weights."""
+        """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights."""
         if self.groups.dp_rank == 0:
-            ckpt_state.load_model(path, self.coords, self.model)
+            if self.scoords is not None:  # reads another PP layout's (or an unpipelined) checkpoint too
+                stage_ckpt.load_stage_model(path, self.scoords, self.model)
+            else:
+                ckpt_state.load_model(path, self.coords, self.model)
         broadcast_model(self.model, self.groups)
+
+    def _load_hf(self, path) -> None:
+        if self.pipeline is None:
+            load_hf_into_model(self.model, path, self.groups.ep_rank, self.groups.ep_size)
+            return
+        # a stage takes its names out of the whole model's state (same names, see trainer/pipeline/stage.py)
+        sd = hf_state_for_rank(path, self.cfg.model, self.groups.ep_rank, self.groups.ep_size)
+        want = self.model.state_dict().keys()
+        missing = sorted(set(want) - sd.keys())
+        if missing:
+            raise CheckpointError(f"{path}: parameters {missing[:4]} of pipeline stage {self.groups.pp_rank} are not "
+                                  "in the HF checkpoint; check model.* against its config.json")
+        self.model.load_state_dict({k: sd[k] for k in want}, strict=True)
 
     def _layout(self) -> dict:
         p = self.cfg.parallel
@@ -177,7 +212,8 @@ class Trainer:
                 previous[sig] = signal.signal(sig, self._request_stop)
         sink = None
         if self.rank == 0:
-            print(f"[trainer] {self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size}), "
+            print(f"[trainer] {self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size} "
+                  f"pp={self.groups.pp_size}), "
                   f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
                   f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, {self.dtype}",
                   flush=True)
@@ -199,6 +235,8 @@ class Trainer:
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
         """Returns local means over micro-batches: [loss, lm, aux, z] and the per-layer stats."""
         batch_BL = self.loader.get(step).to(self.device, non_blocking=True)
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batch_BL, done)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         per_layer: list = []
         for mb_BL in batch_BL.split(self.cfg.train.micro_batch_size):
@@ -212,6 +250,21 @@ class Trainer:
         if self.injection == "inf_grad" and done == self.cfg.train.fault_injection.step:
             faults.poison_grads(list(self.model.parameters()))
         return sums / self.accum_steps, per_layer
+
+    def _pipeline_forward_backward(self, batch_BL: torch.Tensor, done: int) -> tuple[torch.Tensor, list]:
+        """Every stage of a pipeline reads the same rows (same data rank); the step returns the whole pipeline's means
+        (one small all-reduce over the stages), so each stage reports what the unpipelined model would."""
+        fi = self.cfg.train.fault_injection
+        loss, parts = pipeline_step(self.pipeline, list(batch_BL.split(self.cfg.train.micro_batch_size)),
+                                    loss_scale=1.0 / self.accum_steps,
+                                    autocast_dtype=None if self.dtype == torch.float32 else self.dtype)
+        local_P = torch.stack([loss, parts.lm_loss, parts.aux_loss, parts.z_loss]).double()
+        if self.injection == "nan" and done == fi.step:
+            # after the step: the loss is shared by the pipeline's stages, poisoning it inside would flag them all
+            local_P[0] = float("nan")
+        if self.injection == "inf_grad" and done == fi.step:
+            faults.poison_grads(list(self.model.parameters()))
+        return local_P, [parts]
 
     def _step(self, step: int, sink: Optional[MetricsSink]) -> Optional[int]:
         t, done = self.cfg.train, step + 1
@@ -303,8 +356,9 @@ class Trainer:
     def save_checkpoint(self, done: int) -> None:
         slot = next_slot(self.newest_slot)
         t0 = time.perf_counter()
-        ckpt_state.save(self.run_dir.checkpoints / slot, done, self.coords, self.model, self.optimizer,
-                        self._trainer_state(done), self.comm, self.device, after_shards=self._kill_hook(done))
+        save, coords = self._ckpt_writer()
+        save(self.run_dir.checkpoints / slot, done, coords, self.model, self.optimizer, self._trainer_state(done),
+             self.comm, self.device, after_shards=self._kill_hook(done))
         self.newest_slot, self.last_ckpt_step = slot, done
         if self.rank == 0:
             journal_event(self.run_dir, "checkpoint", [], slot=slot, step=done,
@@ -312,7 +366,15 @@ class Trainer:
 
     def save_model_checkpoint(self, done: int) -> None:
         path = self.run_dir.checkpoints / f"model-step-{done}"
-        ckpt_state.save(path, done, self.coords, self.model, None, {}, self.comm, self.device, model_only=True,
-                        meta={"model": asdict(self.cfg.model)})
+        save, coords = self._ckpt_writer()
+        save(path, done, coords, self.model, None, {}, self.comm, self.device, model_only=True,
+             meta={"model": asdict(self.cfg.model)})
         if self.rank == 0:
             journal_event(self.run_dir, "checkpoint", [], slot=path.name, step=done, model_only=True)
+
+    def _ckpt_writer(self):
+        """(save function, coordinates): stage-sharded files under PP, trainer/checkpoint's layout otherwise. Both
+        write the same protocol (store.write_checkpoint), so slots, verification and resume choice are shared."""
+        if self.scoords is not None:
+            return stage_ckpt.save, self.scoords
+        return ckpt_state.save, self.coords

@@ -32,6 +32,9 @@ CKPT_EVERY = 3
 MODEL_CKPT_EVERY = 6  # persistent model-step-N checkpoints: none of them may be lost by any fault
 FAULT_NODES = ("node3", "node4", "node5", "node6")
 RUN_TIMEOUT_S = 480
+# timing only (train.step_sleep_s never changes the numbers): an idle machine runs a step in ~0.3 s, too fast to hit
+# "mid-run" from outside; tests that inject from outside slow the steps so the run is still going when they strike
+SLOW = "train.step_sleep_s=1"
 
 # Everything that decides the numbers: identical in the reference and in every fault run.
 NUMERICS = [

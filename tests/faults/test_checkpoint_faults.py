@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from harness import (
     RUN_TIMEOUT_S,
+    SLOW,
     check_outcome,
     finish,
     journal,
@@ -46,7 +47,7 @@ def test_fault07_corrupted_newest_checkpoint(reference, tmp_path):
     """The step-6 checkpoint is corrupted (bytes flipped) as soon as it is written; rank 1 then dies at step 8, and
     the resume must detect the corruption by checksum and fall back to step 3."""
     inject = ["train.fault_injection.kind=sigkill", "train.fault_injection.rank=1", "train.fault_injection.step=8",
-              "train.step_sleep_s=0.5"]  # timing only: leaves room to corrupt step 6 before the kill at step 8
+              SLOW]  # timing only: leaves room to corrupt step 6 before the kill at step 8
     proc, rd = start(tmp_path, "f07", *overrides(1, *inject))
     launch = wait_launch(rd)
     victim, spare = launch["details"]["action"]["nodes"][1], launch["details"]["action"]["buffers"][0]

@@ -12,6 +12,7 @@ import pytest
 from e2e_util import MOE_LAUNCH
 from harness import (
     RUN_TIMEOUT_S,
+    SLOW,
     STEPS,
     assert_bitwise_equal,
     assert_nothing_lost,
@@ -50,7 +51,7 @@ def _attach(tmp_path, rd, name: str) -> tuple[int, dict, list]:
 
 
 def test_fault11_login_side_killed_attach_follows(reference, tmp_path):
-    proc, rd = start(tmp_path, "f11", *overrides(1))
+    proc, rd = start(tmp_path, "f11", *overrides(1, SLOW))
     wait_launch(rd)
     wait_step(rd, 4)
     proc.kill()  # SIGKILL: the login session is gone without a word
@@ -71,7 +72,7 @@ def test_fault12_preemption_signal_checkpoints_and_resubmits(reference, tmp_path
     """`scancel --signal=USR2` (what --signal=USR2@N delivers before the time limit, and what preemption sends) reaches
     the trainer ranks; they checkpoint and exit 4, the allocation ends, the login side resubmits and the run resumes
     from that checkpoint."""
-    proc, rd = start(tmp_path, "f12", *overrides(1))
+    proc, rd = start(tmp_path, "f12", *overrides(1, SLOW))
     wait_launch(rd)
     job = next(r for r in journal(rd) if r["kind"] == "start")["details"]["handle"]
     wait_step(rd, 4)

@@ -9,6 +9,7 @@ import pytest
 from e2e_util import kill_ranks_on
 from harness import (
     RUN_TIMEOUT_S,
+    SLOW,
     assert_story,
     check_outcome,
     finish,
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.slurm
 
 
 def test_fault01_hard_kill_of_one_nodes_trainer_processes(reference, tmp_path):
-    proc, rd = start(tmp_path, "f01", *overrides(buffers=1))
+    proc, rd = start(tmp_path, "f01", *overrides(1, SLOW))
     launch = wait_launch(rd)
     victim, spare = launch["details"]["action"]["nodes"][1], launch["details"]["action"]["buffers"][0]
     wait_checkpoint(rd, 3)
@@ -45,13 +46,15 @@ def test_fault01_hard_kill_of_one_nodes_trainer_processes(reference, tmp_path):
 
 
 def test_fault02_slurmd_of_one_node_stopped(reference, tmp_path):
-    proc, rd = start(tmp_path, "f02", *overrides(buffers=1))
+    proc, rd = start(tmp_path, "f02", *overrides(1, "train.step_sleep_s=4"))
     launch = wait_launch(rd)
     victim, spare = launch["details"]["action"]["nodes"][1], launch["details"]["action"]["buffers"][0]
     try:
         wait_checkpoint(rd, 3)
         t_fault = time.time()
-        stop_slurmd(victim)  # its tasks keep running; Slurm marks it not responding, then DOWN
+        # its tasks keep running; Slurm marks it not responding after SlurmdTimeout (10 s on the test cluster), so
+        # the steps are slowed (4 s each) to leave the run unfinished until then
+        stop_slurmd(victim)
         code, summary, records = finish(proc, tmp_path, "f02", RUN_TIMEOUT_S)
     finally:
         restore_nodes([victim], timeout=120)
@@ -65,7 +68,7 @@ def test_fault02_slurmd_of_one_node_stopped(reference, tmp_path):
 
 
 def test_fault10_supervisor_node_lost_login_side_resubmits(reference, tmp_path):
-    proc, rd = start(tmp_path, "f10", *overrides(buffers=1))
+    proc, rd = start(tmp_path, "f10", *overrides(1, SLOW))
     wait_launch(rd)
     alloc = next(r for r in journal(rd) if r["kind"] == "allocation")
     host = alloc["details"]["supervisor_host"]

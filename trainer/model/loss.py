@@ -4,15 +4,17 @@ Shapes: T tokens (batch x sequence, flattened), D model dim, V vocabulary, C tok
 
 `F.cross_entropy(lm_head(h_TD).float(), y_T)` materialises T x V logits in the compute dtype, their fp32 copy, the
 fp32 softmax and its gradient: at 16k tokens x 50k vocabulary that is several GiB written and read a few times. Here
-each chunk of C tokens computes its logits (matmul in the compute dtype, like the autocast path), the fp32
-log-sum-exp and loss, and at once the gradient of the mean loss with respect to its logits, (softmax - onehot) / N,
+each chunk of C tokens computes its logits (matmul in the compute dtype, like the autocast path), their fp32
+log-softmax and loss, and at once the gradient of the mean loss with respect to its logits, (softmax - onehot) / N,
 which it turns into the chunk's share of dh and dW with two more matmuls. Only dh_TD and dW_VD (fp32) live until
 backward, which just scales them by the incoming gradient. FLOPs equal the unfused path's (one forward and two
 backward matmuls); nothing is recomputed. Without grad (eval) no gradient is taken.
 
 Numerics: the matmuls run in `compute_dtype` (the autocast dtype when autocast is on, else the weight's dtype) and
-everything after them in fp32, as in the reference; dW is accumulated in fp32 over chunks. `ignore_index` targets
-count neither in the loss nor in N, as in F.cross_entropy's mean reduction.
+the softmax and loss in fp32, as in the reference. The per-token factor valid/N multiplies the C x D sides instead of
+the C x V gradient: dh's rows in fp32 after their matmul, h's rows (rounded to compute_dtype) before dW's; dW is
+accumulated in fp32 over chunks. `ignore_index` targets count neither in the loss nor in N, as in F.cross_entropy's
+mean reduction.
 """
 
 from __future__ import annotations
@@ -31,21 +33,19 @@ def chunk_tokens(vocab_size: int) -> int:
 
 
 def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_valid: torch.Tensor, want_grad: bool):
-    """Summed loss of one chunk and, if wanted, the gradient of (sum of chunk losses / n_valid) w.r.t. its logits
-    (fp32 math, returned in the matmul dtype)."""
-    logits_CV = (h_CD @ w_VD.t()).float()
-    lse_C = torch.logsumexp(logits_CV, dim=-1)
+    """Summed loss of one chunk and, if wanted, (softmax - onehot) in the matmul dtype with the per-token scale
+    valid / N (fp32) that turns it into the gradient of the mean loss; the scale is applied to the C x D sides of the
+    two gradient matmuls, not to the C x V matrix (one pass less over the chunk's largest tensor)."""
+    # log_softmax upcasts inside its kernel: no separate fp32 copy of the logits
+    logp_CV = torch.log_softmax(h_CD @ w_VD.t(), dim=-1, dtype=torch.float32)
     valid_C = y_C != IGNORE_INDEX
     y_safe_C = torch.where(valid_C, y_C, 0)
-    target_logit_C = logits_CV.gather(1, y_safe_C[:, None]).squeeze(1)
-    loss_sum = torch.where(valid_C, lse_C - target_logit_C, 0.0).sum()
+    loss_sum = -torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1), 0.0).sum()
     if not want_grad:
-        return loss_sum, None
-    # softmax in place of the fp32 logits (the chunk's largest buffer), minus one at the target, over N
-    p_CV = logits_CV.sub_(lse_C[:, None]).exp_()
+        return loss_sum, None, None
+    p_CV = logp_CV.exp_()  # softmax, in place of the chunk's fp32 buffer
     p_CV.scatter_add_(1, y_safe_C[:, None], -valid_C[:, None].to(p_CV.dtype))
-    p_CV.mul_((valid_C.to(p_CV.dtype) / n_valid)[:, None])
-    return loss_sum, p_CV.to(h_CD.dtype)
+    return loss_sum, p_CV.to(h_CD.dtype), valid_C.to(torch.float32) / n_valid
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -60,11 +60,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if want_grad else None
             for lo in range(0, h_TD.shape[0], chunk):
                 h_CD, y_C = hc_TD[lo : lo + chunk], y_T[lo : lo + chunk]
-                loss_sum, g_CV = _chunk_loss(h_CD, wc_VD, y_C, n_valid, want_grad)
+                loss_sum, g_CV, scale_C = _chunk_loss(h_CD, wc_VD, y_C, n_valid, want_grad)
                 total += loss_sum
                 if want_grad:
-                    torch.mm(g_CV, wc_VD, out=dh_TD[lo : lo + chunk])
-                    dw_VD += (g_CV.t() @ h_CD).float()
+                    scale_C1 = scale_C[:, None]
+                    dh_TD[lo : lo + chunk] = (g_CV @ wc_VD).float().mul_(scale_C1)
+                    dw_VD += (g_CV.t() @ (h_CD.float() * scale_C1).to(compute_dtype)).float()
         ctx.save_for_backward(dh_TD, dw_VD)
         ctx.h_dtype, ctx.w_dtype = h_TD.dtype, w_VD.dtype
         return total / n_valid

@@ -1,0 +1,92 @@
+"""The Trainer under pipeline parallelism, through the real entry point (`python -m moe_launch.trainer`, 2 gloo ranks):
+PP=2 gives the losses, aux / z losses and gradient norms of PP=1; checkpoints are stage-sharded; a crash-resume
+continues bitwise like the uninterrupted PP=2 run; a NaN on one stage is a soft fault of that rank only."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))  # the trainer tests' harness
+from trainer_harness import launch_ranks, tiny_cfg, write_run  # noqa: E402
+
+from moe_launch.conf.schema import FaultInjection, ParallelConfig, RootConfig  # noqa: E402
+from moe_launch.rundir import EXIT_OK, EXIT_SOFT_FAULT, read_jsonl  # noqa: E402
+from moe_launch.trainer.checkpoint.store import choose_resume_slot, read_manifest  # noqa: E402
+from moe_launch.trainer.loop import Trainer  # noqa: E402
+
+torch.set_num_threads(1)
+
+BATCH = dict(global_batch_size=8, micro_batch_size=2)  # 4 micro-batches through the pipeline per step
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("data-cache"))
+
+
+def pp_cfg(data_cache: str, schedule: str = "1f1b", **train) -> RootConfig:
+    fault = train.pop("fault_injection", FaultInjection())  # rank 1 exists only once the world has 2 ranks
+    base = tiny_cfg(data_cache, **BATCH, **train)
+    return replace(base, parallel=ParallelConfig(pp=2, pp_schedule=schedule, microbatches=4),
+                   cluster=replace(base.cluster, nodes=2), train=replace(base.train, fault_injection=fault))
+
+
+def _ok(procs) -> None:
+    assert [p.returncode for p in procs] == [EXIT_OK] * len(procs), "\n".join(p.stdout[-3000:] for p in procs)
+
+
+def _losses(rd, after: int = 0) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(rd.metrics) if r["step"] > after}  # later lines win
+
+
+def test_pp2_trainer_matches_pp1_and_resumes_bitwise(tmp_path, data_cache):
+    ref = write_run(tmp_path / "pp1", tiny_cfg(data_cache, steps=6, **BATCH))
+    assert Trainer(tiny_cfg(data_cache, steps=6, **BATCH), ref).train() == EXIT_OK
+    pp = write_run(tmp_path / "pp2", pp_cfg(data_cache, steps=6))
+    procs = launch_ranks(pp, world=2)
+    _ok(procs)
+    assert "pp=2" in procs[0].stdout
+
+    m1, m2 = read_jsonl(ref.metrics), read_jsonl(pp.metrics)
+    assert [r["step"] for r in m2] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(m1, m2):
+        # the global norm covers both stages' parameters once; clipping (grad_clip) depends on it
+        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (key, a, b)
+        assert b["aux_per_layer"] == pytest.approx(a["aux_per_layer"], rel=1e-5)  # every stage's layers reported
+        assert b["expert_load_max"] == pytest.approx(a["expert_load_max"], rel=1e-6)
+
+    # stage-sharded checkpoint: each stage writes its own model and optimizer files (dp=1: both on the stage's rank)
+    manifest = read_manifest(choose_resume_slot(pp.checkpoints).path)
+    writers = {rel: info["rank"] for rel, info in manifest["files"].items()}
+    for stage in (0, 1):
+        assert writers[f"model/pp{stage}/dense.pt"] == stage
+        assert writers[f"model/pp{stage}/experts-ep0.pt"] == stage
+        assert writers[f"optim/pp{stage}-ep0.pt"] == stage
+    assert writers["trainer.pt"] == 0
+
+    crashed = write_run(tmp_path / "pp2-crash", pp_cfg(
+        data_cache, steps=6, fault_injection=FaultInjection(kind="crash", rank=1, step=5, attempt=0)))
+    procs = launch_ranks(crashed, world=2)
+    assert procs[1].returncode == 1 and "InjectedCrash" in procs[1].stdout, procs[1].stdout[-3000:]
+    assert choose_resume_slot(crashed.checkpoints).step == 4
+    _ok(launch_ranks(crashed, world=2, attempt=1))
+    resumed, straight = _losses(crashed, after=4), _losses(pp)
+    assert [resumed[s] for s in (5, 6)] == [straight[s] for s in (5, 6)]  # bitwise
+
+
+def test_nan_on_the_last_stage_is_a_soft_fault_of_that_rank(tmp_path, data_cache):
+    cfg = pp_cfg(data_cache, schedule="gpipe", steps=4, ckpt_interval=2,
+                 fault_injection=FaultInjection(kind="nan", rank=1, step=3, attempt=0))
+    rd = write_run(tmp_path / "run", cfg)
+    procs = launch_ranks(rd, world=2)
+    assert [p.returncode for p in procs] == [EXIT_SOFT_FAULT] * 2, "\n".join(p.stdout[-3000:] for p in procs)
+    # only the injecting rank reports, although both stages share the pipeline's loss
+    assert sorted(p.name for p in rd.faults.iterdir()) == ["node1-rank1-step3.json"]
+    assert choose_resume_slot(rd.checkpoints).step == 2
+    assert max(r["step"] for r in read_jsonl(rd.metrics)) == 2
