@@ -41,6 +41,7 @@ from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
+from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_mode
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
@@ -112,11 +113,7 @@ class Trainer:
         self.start_step = self._load_model()
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         if self.resume.path is not None:
-            if self.scoords is not None:
-                stage_ckpt.load_optimizer(self.resume.path, self.scoords, self.optimizer)
-            else:
-                ckpt_state.load_optimizer(self.resume.path, self.coords, self.optimizer)
-            ckpt_state.load_rng(self.resume.path, self.coords, device)
+            self._load_optimizer_and_rng(self.resume.path)
             self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
         self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
         self.last_ckpt_step = self.start_step
@@ -147,15 +144,16 @@ class Trainer:
         rank by construction). Returns the first step to run."""
         if self.resume.path is not None:
             saved = ckpt_state.load_trainer_state(self.resume.path)
-            mine = self._layout()
-            if saved["layout"] != mine:
-                raise CheckpointError(f"{self.resume.path} was written with {saved['layout']}, this run has {mine}; "
-                                      "resume with the same parallel config or start from a model-only checkpoint")
+            # CheckpointError unless at most parallel.dp / optimizer_sharding changed (the model files do not
+            # depend on them; the optimizer shards are reassembled in _load_optimizer_and_rng)
+            self.saved_layout = saved["layout"]
+            self.resume_mode = resume_mode(self.saved_layout, self._layout())
             self._load_and_broadcast(self.resume.path)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
                               slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
-                              rejected=self.resume.rejected, attempt=self.attempt)
+                              rejected=self.resume.rejected, attempt=self.attempt,
+                              resharded=self.resume_mode == "reshard")
             return int(saved["step"])
         init_from = self.cfg.model.init_from
         if init_from is not None and init_from.startswith("ckpt:"):
@@ -181,6 +179,18 @@ class Trainer:
             else:
                 ckpt_state.load_model(path, self.coords, self.model)
         broadcast_model(self.model, self.groups)
+
+    def _load_optimizer_and_rng(self, path) -> None:
+        if self.resume_mode == "reshard":
+            load_optimizer_resharded(path, self.optimizer, self.saved_layout)
+            # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
+            # (init has its own generators), so the losses do not depend on them
+            return
+        if self.scoords is not None:
+            stage_ckpt.load_optimizer(path, self.scoords, self.optimizer)
+        else:
+            ckpt_state.load_optimizer(path, self.coords, self.optimizer)
+        ckpt_state.load_rng(path, self.coords, self.device)
 
     def _load_hf(self, path) -> None:
         if self.pipeline is None:
