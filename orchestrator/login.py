@@ -21,10 +21,11 @@ from typing import Any, Optional
 
 from moe_launch.conf.schema import RootConfig
 from moe_launch.errors import ConfigError, SubmissionError
+from moe_launch.orchestrator import slurm
 from moe_launch.orchestrator.live import LiveView
 from moe_launch.orchestrator.plan import LaunchPlan, plan
 from moe_launch.orchestrator.render import render_sbatch
-from moe_launch.orchestrator.state import replay
+from moe_launch.orchestrator.state import SupervisorState, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.supervisor import STOP_FILE
 from moe_launch.rundir import RunDir, journal_event, read_jsonl
@@ -37,8 +38,6 @@ def partition_and_quarantine(cfg: RootConfig) -> tuple[Any, list[str]]:
     """Ask Slurm about the partition and moe-health about quarantined nodes (cluster.kind=slurm only)."""
     if cfg.cluster.kind != "slurm":
         return None, []
-    from moe_launch.orchestrator import slurm
-
     quarantined: list[str] = []
     try:
         from moe_launch.health import store
@@ -60,8 +59,6 @@ def make_plan(cfg: RootConfig, run_dir: Path, extra_exclude: tuple[str, ...] = (
 def start_allocation(p: LaunchPlan, rd: RunDir, number: int) -> str:
     """Start the supervisor; returns the handle journaled for attach (a Slurm job id, or a local pid)."""
     if p.kind == "slurm":
-        from moe_launch.orchestrator import slurm
-
         script = rd.root / "sbatch" / f"allocation-{number}.sh"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(render_sbatch(p))
@@ -92,8 +89,6 @@ def _kill_local_leftovers(rd: RunDir) -> None:
 
 def handle_alive(kind: str, handle: str) -> bool:
     if kind == "slurm":
-        from moe_launch.orchestrator import slurm
-
         return slurm.job_state(handle) in _LIVE_STATES
     pid = int(handle)
     if pid in _CHILDREN:
@@ -194,18 +189,18 @@ def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, 
     host = allocs[-1]["details"].get("supervisor_host") if allocs else None
     if host is None:
         return False
-    from moe_launch.orchestrator import slurm
-
     try:
         proc = slurm._run(["scontrol", "show", "job", "-o", last["handle"]], check=False)
         nodes = slurm.hostnames(slurm.parse_job_field(proc.stdout, "NodeList") or "")
     except SubmissionError:
         return False  # a slurmctld hiccup: ask again next time
-    if proc.returncode != 0 or not nodes or host in nodes:
+    # only a RUNNING job: while COMPLETING, NodeList shows just the nodes still completing (a dead one, say)
+    running = slurm.parse_job_field(proc.stdout, "JobState") == "RUNNING"
+    if proc.returncode != 0 or not running or not nodes or host in nodes:
         return False
     _CANCELLED.add(last["handle"])
-    journal_event(rd, "failure", (host,), reason=f"allocation {last['handle']} lost its supervisor's node {host}; "
-                                                 "cancelling it to resubmit")
+    journal_event(rd, "failure", (host,), supervisor_lost=True,
+                  reason=f"allocation {last['handle']} lost its supervisor's node {host}; cancelling it to resubmit")
     slurm.cancel(last["handle"])
     return True
 
@@ -222,7 +217,10 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
                   f"{cfg.supervisor.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising "
                   f"it, or start a new run resuming from them")
         return _final(rd, state, wall, "failed", reason, resubmits)
-    excluded = tuple(state.excluded) if state else ()
+    # the supervisor's own lost node is known only to the login side; the supervisor state knows the others
+    lost = [n for r in records if r.get("kind") == "failure" and r["details"].get("supervisor_lost")
+            for n in r["nodes"]]
+    excluded = tuple(dict.fromkeys([*(state.excluded if state else ()), *lost]))
     try:
         p = make_plan(cfg, rd.root, excluded)
         handle = start_allocation(p, rd, started)
@@ -237,8 +235,6 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
 
 
 def _final(rd: RunDir, state, wall: float, status: str, reason: str, resubmits: int) -> None:
-    from moe_launch.orchestrator.state import SupervisorState
-
     st = state or SupervisorState(want=0, max_restarts=0)
     journal_event(rd, "stop", (), reason=reason, status=status)
     write_summary(rd, build_summary(rd, st, wall, status=status, reason=reason, resubmits=resubmits))
@@ -256,8 +252,6 @@ def request_stop(cfg: RootConfig, rd: RunDir) -> str:
     (rd.root / STOP_FILE).write_text(f"requested at {time.time()}\n")
     started = handles(read_jsonl(rd.journal))
     if started and started[-1]["cluster"] == "slurm":
-        from moe_launch.orchestrator import slurm
-
         if slurm.job_state(started[-1]["handle"]) == "PENDING":
             slurm.cancel(started[-1]["handle"])
             return f"job {started[-1]['handle']} was pending and is cancelled"

@@ -70,9 +70,10 @@ def make_cluster(cfg: RootConfig) -> Cluster:
     return SlurmCluster(job_id, cfg.cluster, cfg.supervisor.exit_grace_s)
 
 
-def _event_record(ev: Event) -> tuple[str, tuple[str, ...], dict[str, Any]]:
+def event_record(ev: Event) -> tuple[str, tuple[str, ...], dict[str, Any]]:
     """Journal kind, nodes and details of an observation."""
     d = {"event": type(ev).__name__, **asdict(ev)}
+    d.pop("nodes", None)  # NodesLost.nodes: the record's own `nodes` field carries them
     if isinstance(ev, PreflightDone):
         return "preflight", ev.healthy, d
     if isinstance(ev, SuspectChecked):
@@ -130,7 +131,7 @@ class Supervisor:
         action = decide(self.state, ev)
         if action.kind == "ignore":
             return
-        kind, nodes, details = _event_record(ev)
+        kind, nodes, details = event_record(ev)
         journal_event(self.rd, kind, nodes, **details)
         self.state = apply(self.state, action)
         for out, new in action.swaps:

@@ -93,11 +93,11 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # every stage / rank draws the same init: a stage gets its slice of the PP=1 model
         self.pipeline: Optional[Pipeline] = None
-        self.scoords: Optional[stage_ckpt.StageCoords] = None
+        # stage coordinates (pp_rank 0 at pp=1): the stage-sharded files, and model-only loads across PP layouts
+        self.scoords = stage_ckpt.StageCoords.of(self.groups, p.optimizer_sharding, cfg.model.kind == "moe")
         if p.pp > 1:
             self.pipeline = build_pipeline(cfg.model, p, self.groups, device)  # attaches the EP token exchange too
             self.model = self.pipeline.model
-            self.scoords = stage_ckpt.StageCoords.of(self.groups, p.optimizer_sharding, cfg.model.kind == "moe")
         else:
             self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
             attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
@@ -110,6 +110,7 @@ class Trainer:
                 block.compile()
         self.loader = self._open_data()
         self.resume = self._choose_resume()
+        self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model reads the slot's own
         self.start_step = self._load_model()
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         if self.resume.path is not None:
@@ -148,7 +149,7 @@ class Trainer:
             # depend on them; the optimizer shards are reassembled in _load_optimizer_and_rng)
             self.saved_layout = saved["layout"]
             self.resume_mode = resume_mode(self.saved_layout, self._layout())
-            self._load_and_broadcast(self.resume.path)
+            self._load_and_broadcast(self.resume.path, any_layout=False)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
                               slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
@@ -158,7 +159,7 @@ class Trainer:
         init_from = self.cfg.model.init_from
         if init_from is not None and init_from.startswith("ckpt:"):
             path = ckpt_state.verified_model_dir(init_from)
-            self._load_and_broadcast(path)
+            self._load_and_broadcast(path, any_layout=True)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
                               fresh_optimizer=True, step=0, attempt=self.attempt)
@@ -171,10 +172,12 @@ class Trainer:
                               fresh_optimizer=True, step=0, attempt=self.attempt)
         return 0
 
-    def _load_and_broadcast(self, path) -> None:
-        """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights."""
+    def _load_and_broadcast(self, path, any_layout: bool) -> None:
+        """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights.
+        `any_layout`: a model-only checkpoint may come from a run with another parallel.pp; load_stage_model reads
+        stage-sharded and unpipelined files alike (the parameter names are the full model's in both)."""
         if self.groups.dp_rank == 0:
-            if self.scoords is not None:  # reads another PP layout's (or an unpipelined) checkpoint too
+            if self.pipeline is not None or any_layout:
                 stage_ckpt.load_stage_model(path, self.scoords, self.model)
             else:
                 ckpt_state.load_model(path, self.coords, self.model)
@@ -186,7 +189,7 @@ class Trainer:
             # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
             # (init has its own generators), so the losses do not depend on them
             return
-        if self.scoords is not None:
+        if self.pipeline is not None:
             stage_ckpt.load_optimizer(path, self.scoords, self.optimizer)
         else:
             ckpt_state.load_optimizer(path, self.coords, self.optimizer)
@@ -385,6 +388,6 @@ class Trainer:
     def _ckpt_writer(self):
         """(save function, coordinates): stage-sharded files under PP, trainer/checkpoint's layout otherwise. Both
         write the same protocol (store.write_checkpoint), so slots, verification and resume choice are shared."""
-        if self.scoords is not None:
+        if self.pipeline is not None:
             return stage_ckpt.save, self.scoords
         return ckpt_state.save, self.coords

@@ -20,8 +20,8 @@ from harness import (
     resumed_after,
     start,
     wait_checkpoint,
-    wait_step,
     wait_launch,
+    wait_step,
 )
 from slurm.helpers import kill_node, restore_nodes, stop_slurmd
 

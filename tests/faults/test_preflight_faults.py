@@ -57,7 +57,7 @@ def test_fault09_slow_alltoall_at_preflight(reference, tmp_path):
                             alltoall=a2a)
     cluster = ClusterConfig(kind="slurm", name=CLUSTER_NAME, tasks_per_node=1, cpus_per_task=1)
     assert run_preflight(list(FAULT_NODES), base_cfg, cluster, tmp_path / "health", "baseline").ok
-    slow = [*_health(tmp_path, alltoall=True), "health.dcgm.enabled=false", f"health.inject_delay={{{BAD}: 0.2}}"]
+    slow = [*_health(tmp_path, alltoall=True), "health.dcgm.enabled=false", f"++health.inject_delay={{{BAD}: 0.2}}"]
     proc, rd = start(tmp_path, "f09", *overrides(2, *slow))
     code, summary, records = finish(proc, tmp_path, "f09", RUN_TIMEOUT_S)
     assert code == 0, summary

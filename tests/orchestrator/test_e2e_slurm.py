@@ -80,8 +80,11 @@ def test_slurm_hard_node_failure_swaps_buffer_without_waiting_for_slurm(slurm_cl
 
 
 def test_slurm_nan_on_one_rank_swaps_its_node(slurm_cluster, tmp_path):
+    # preflight on (it re-checks the suspect node); its history and all-to-all baselines are private to the test, as
+    # a baseline recorded on this shared machine under another load would fail every node of the loopback "network"
     proc, rd = start(tmp_path, "nan", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=2",
                      "train.fault_injection.kind=nan", "train.fault_injection.rank=1", "train.fault_injection.step=5",
+                     f"health.alltoall.baseline_path={tmp_path / 'a2a.json'}", f"health.store_dir={tmp_path / 'h'}",
                      "train.steps=9", *FAST)
     code, summary, journal = finish(proc, tmp_path, "nan", TIMEOUT_S)
     assert code == 0, summary

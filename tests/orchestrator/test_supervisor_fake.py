@@ -35,8 +35,8 @@ def make_cfg(tmp_path, nodes=2, buffers=1, fault=None, steps=12, **sup) -> tuple
         train=TrainConfig(steps=steps, step_sleep_s=0.05, ckpt_interval=4, global_batch_size=4 * nodes,
                           fault_injection=fault or FaultInjection()),
         health=HealthConfig(preflight=False),
-        supervisor=SupervisorConfig(**{"poll_s": 0.05, "hang_timeout_s": 15.0, "trainer_command": [sys.executable, FAKE],
-                                       **sup}),
+        supervisor=SupervisorConfig(**{"poll_s": 0.05, "hang_timeout_s": 15.0,
+                                       "trainer_command": [sys.executable, FAKE], **sup}),
         run=RunConfig(name="t", root=str(tmp_path)),
     )
     rd = RunDir(tmp_path / "t").make()
@@ -128,3 +128,28 @@ def test_crash_without_node_cause_retried_then_stops_if_repeating(tmp_path, monk
         assert summary["status"] == "failed" and "same failure repeating" in summary["reason"]
     else:
         assert summary["status"] == "completed" and summary["restarts"] == 1 and summary["excluded_nodes"] == []
+
+
+def test_every_event_kind_can_be_journaled(tmp_run_dir):
+    from moe_launch.orchestrator.events import (
+        Fault,
+        Hang,
+        LaunchTimeout,
+        NodesLost,
+        PreflightDone,
+        StepExited,
+        StopRequested,
+        SuspectChecked,
+    )
+    from moe_launch.orchestrator.supervisor import event_record
+    from moe_launch.rundir import journal_event
+
+    events = [PreflightDone(("a", "b"), {"c": "x"}), StepExited(0, 1, ("a",), ("b",), 3, "d"),
+              Fault(0, "a", 1, 2, "nan"), Hang(0, ("a",), 3, 9.0), NodesLost(("a", "b"), "down*"),
+              SuspectChecked("a", True), LaunchTimeout(0), StopRequested()]
+    for ev in events:
+        kind, nodes, details = event_record(ev)
+        journal_event(tmp_run_dir, kind, nodes, **details)
+    journal = read_jsonl(tmp_run_dir.journal)
+    assert [r["details"]["event"] for r in journal] == [type(e).__name__ for e in events]
+    assert journal[4]["nodes"] == ["a", "b"] and journal[4]["kind"] == "failure"

@@ -4,6 +4,7 @@ continues bitwise like the uninterrupted PP=2 run; a NaN on one stage is a soft 
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,10 +30,11 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("data-cache"))
 
 
-def pp_cfg(data_cache: str, schedule: str = "1f1b", **train) -> RootConfig:
+def pp_cfg(data_cache: str, schedule: str = "1f1b", optimizer_sharding: str = "none", **train) -> RootConfig:
     fault = train.pop("fault_injection", FaultInjection())  # rank 1 exists only once the world has 2 ranks
     base = tiny_cfg(data_cache, **BATCH, **train)
-    return replace(base, parallel=ParallelConfig(pp=2, pp_schedule=schedule, microbatches=4),
+    return replace(base, parallel=ParallelConfig(pp=2, pp_schedule=schedule, microbatches=4,
+                                                 optimizer_sharding=optimizer_sharding),
                    cluster=replace(base.cluster, nodes=2), train=replace(base.train, fault_injection=fault))
 
 
@@ -44,10 +46,11 @@ def _losses(rd, after: int = 0) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(rd.metrics) if r["step"] > after}  # later lines win
 
 
+@pytest.mark.slow  # ~1 min alone (four 2-rank launches of the entry point), several on a loaded machine
 def test_pp2_trainer_matches_pp1_and_resumes_bitwise(tmp_path, data_cache):
-    ref = write_run(tmp_path / "pp1", tiny_cfg(data_cache, steps=6, **BATCH))
-    assert Trainer(tiny_cfg(data_cache, steps=6, **BATCH), ref).train() == EXIT_OK
-    pp = write_run(tmp_path / "pp2", pp_cfg(data_cache, steps=6))
+    ref = write_run(tmp_path / "pp1", tiny_cfg(data_cache, steps=6, model_ckpt_interval=4, **BATCH))
+    assert Trainer(tiny_cfg(data_cache, steps=6, model_ckpt_interval=4, **BATCH), ref).train() == EXIT_OK
+    pp = write_run(tmp_path / "pp2", pp_cfg(data_cache, steps=6, model_ckpt_interval=4))
     procs = launch_ranks(pp, world=2)
     _ok(procs)
     assert "pp=2" in procs[0].stdout
@@ -70,14 +73,35 @@ def test_pp2_trainer_matches_pp1_and_resumes_bitwise(tmp_path, data_cache):
         assert writers[f"optim/pp{stage}-ep0.pt"] == stage
     assert writers["trainer.pt"] == 0
 
+    # a model-only checkpoint of the PP=2 run starts a PP=1 run like the PP=1 run's own (the names are the full
+    # model's in both layouts)
+    first = {}
+    for name, rd in (("pp1", ref), ("pp2", pp)):
+        cfg = tiny_cfg(data_cache, steps=1, ckpt_interval=0, **BATCH)
+        cfg = replace(cfg, model=replace(cfg.model, init_from=f"ckpt:{rd.checkpoints / 'model-step-4'}"))
+        run = write_run(tmp_path / f"from-{name}", cfg)
+        assert Trainer(cfg, run).train() == EXIT_OK
+        first[name] = read_jsonl(run.metrics)[0]["loss"]
+    assert first["pp2"] == pytest.approx(first["pp1"], rel=1e-5)
+
     crashed = write_run(tmp_path / "pp2-crash", pp_cfg(
         data_cache, steps=6, fault_injection=FaultInjection(kind="crash", rank=1, step=5, attempt=0)))
     procs = launch_ranks(crashed, world=2)
     assert procs[1].returncode == 1 and "InjectedCrash" in procs[1].stdout, procs[1].stdout[-3000:]
     assert choose_resume_slot(crashed.checkpoints).step == 4
+    # the same step-4 checkpoint resumed with another optimizer_sharding: the stage files optim/pp<p>-ep0.pt are
+    # reassembled into ZeRO-1 shards (trainer/parallel/resume.py)
+    zero1 = write_run(tmp_path / "pp2-zero1", pp_cfg(data_cache, steps=6, optimizer_sharding="zero1"))
+    shutil.copytree(crashed.checkpoints, zero1.checkpoints, dirs_exist_ok=True)
     _ok(launch_ranks(crashed, world=2, attempt=1))
     resumed, straight = _losses(crashed, after=4), _losses(pp)
     assert [resumed[s] for s in (5, 6)] == [straight[s] for s in (5, 6)]  # bitwise
+
+    _ok(launch_ranks(zero1, world=2, attempt=1))
+    resharded = _losses(zero1, after=4)
+    assert [resharded[s] for s in (5, 6)] == pytest.approx([straight[s] for s in (5, 6)], rel=1e-6)
+    event = [e for e in read_jsonl(zero1.journal) if e["kind"] == "resume"][-1]
+    assert event["details"]["step"] == 4 and event["details"]["resharded"] is True
 
 
 def test_nan_on_the_last_stage_is_a_soft_fault_of_that_rank(tmp_path, data_cache):
@@ -90,3 +114,19 @@ def test_nan_on_the_last_stage_is_a_soft_fault_of_that_rank(tmp_path, data_cache
     assert sorted(p.name for p in rd.faults.iterdir()) == ["node1-rank1-step3.json"]
     assert choose_resume_slot(rd.checkpoints).step == 2
     assert max(r["step"] for r in read_jsonl(rd.metrics)) == 2
+
+
+def test_resharding_reads_the_optimizer_files_the_stages_wrote():
+    """Pure: for every saved layout, the file resume.py reads for a saved rank is one that rank wrote."""
+    from moe_launch.trainer.parallel.groups import coords_of
+    from moe_launch.trainer.parallel.resume import saved_optimizer_file
+    from moe_launch.trainer.pipeline import ckpt as stage_ckpt
+
+    for strategy in ("none", "zero1", "epso"):
+        for dp, ep, pp in ((1, 1, 2), (2, 1, 2), (2, 2, 2), (1, 2, 4)):
+            layout = {"dp": dp, "ep": ep, "pp": pp, "optimizer_sharding": strategy}
+            for rank in range(dp * ep * pp):
+                p, d, e = coords_of(rank, dp, ep)
+                c = stage_ckpt.StageCoords(rank, p, d, dp, e, ep, strategy, True)
+                if strategy != "none" or d == 0:  # with none, dp rank 0 of each (stage, ep) is the holder
+                    assert saved_optimizer_file(rank, layout) in stage_ckpt.writes(c), (layout, rank)
