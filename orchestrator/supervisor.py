@@ -19,12 +19,12 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional
 
 from moe_launch.conf.load import load_config
-from moe_launch.conf.schema import RootConfig
+from moe_launch.conf.schema import ClusterConfig, HealthConfig, RootConfig
 from moe_launch.errors import SubmissionError
 from moe_launch.orchestrator.backend import Cluster, Step
 from moe_launch.orchestrator.decide import decide
@@ -237,12 +237,25 @@ class Supervisor:
         if not self.cfg.health.preflight:
             journal_event(self.rd, "info", nodes, message="preflight skipped (health.preflight=false)")
             return None
-        try:
-            from moe_launch.health.preflight import run_preflight
-        except ImportError as e:
-            journal_event(self.rd, "info", nodes, message=f"preflight skipped: health module not available ({e})")
-            return None
-        return run_preflight(list(nodes), self.cfg.health, self.cfg.cluster, self.rd.health, self.cfg.run.name)
+        from moe_launch.health.preflight import run_preflight
+
+        health = preflight_health_config(self.cfg.health, self.cfg.cluster, self.rd.health)
+        return run_preflight(list(nodes), health, self.cfg.cluster, self.rd.health, self.cfg.run.name)
+
+
+def preflight_health_config(health: HealthConfig, cluster: ClusterConfig, run_health_dir: Path) -> HealthConfig:
+    """cluster=local: the "nodes" are process groups sharing this machine's cores, so a bandwidth baseline recorded
+    under another day's load says nothing about them, and quarantining "local2" across runs is meaningless. Unless
+    the user chose paths, such a run keeps its baseline and health history in its own run directory: its first
+    preflight records the baseline that re-checks of suspect nodes within the run are compared with."""
+    if cluster.kind != "local":
+        return health
+    defaults = HealthConfig()
+    a2a = health.alltoall
+    if a2a.baseline_path == defaults.alltoall.baseline_path:
+        a2a = replace(a2a, baseline_path=str(run_health_dir / "a2a_baselines.json"))
+    store_dir = str(run_health_dir / "store") if health.store_dir == defaults.store_dir else health.store_dir
+    return replace(health, alltoall=a2a, store_dir=store_dir)
 
 
 class SchedulerWatch:

@@ -240,3 +240,16 @@ def test_a_stop_still_takes_the_failed_node_out_of_the_job():
     s = launched(n=2, b=2, max_restarts=0)
     s, a = step(s, Fault(attempt=0, node="node1", rank=0, step=3, what="nan loss"))
     assert a.kind == "stop" and "max_restarts" in a.reason and s.active == ("node2",) and s.suspects == ("node1",)
+
+
+def test_local_cluster_keeps_health_baselines_and_history_in_the_run(tmp_path):
+    from moe_launch.conf.schema import AllToAllConfig, ClusterConfig, HealthConfig
+    from moe_launch.orchestrator.supervisor import preflight_health_config
+
+    local = preflight_health_config(HealthConfig(), ClusterConfig(kind="local"), tmp_path)
+    assert local.alltoall.baseline_path == str(tmp_path / "a2a_baselines.json")
+    assert local.store_dir == str(tmp_path / "store")
+    chosen = HealthConfig(alltoall=AllToAllConfig(baseline_path="/srv/b.json"), store_dir="/srv/h")
+    kept = preflight_health_config(chosen, ClusterConfig(kind="local"), tmp_path)
+    assert (kept.alltoall.baseline_path, kept.store_dir) == ("/srv/b.json", "/srv/h")
+    assert preflight_health_config(HealthConfig(), ClusterConfig(kind="slurm"), tmp_path) == HealthConfig()
