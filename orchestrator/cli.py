@@ -6,9 +6,13 @@
     moe-launch status runs/<name>           one-shot view of a run
     moe-launch stop runs/<name>             ask the supervisor to checkpoint and stop
     moe-launch report runs/<name> [more]    plots of one run, or several overlaid (orchestrator/report.py)
+    moe-launch -m model=tiny_dense,tiny_moe train.lr=1e-3,3e-4
+                                            a sweep: one supervised run per combination, then a summary table,
+                                            <sweep dir>/sweep_summary.json and plots (orchestrator/sweep.py)
 
 The subcommands are handled before Hydra sees argv. The run directory is Hydra's output directory,
-`${run.root}/${run.name}` unless `hydra.run.dir=...` moves it. Exit codes: 0 completed (or dry run), 1 the run
+`${run.root}/${run.name}` unless `hydra.run.dir=...` moves it; a sweep's is `${run.root}/${run.name}` with one
+directory `${run.name}-<job number>` per run (a unique run name per job). Exit codes: 0 completed (or dry run), 1 the run
 failed or stopped, 2 bad configuration or submission refused.
 """
 
@@ -28,6 +32,11 @@ _DEFAULT_OVERRIDES = {
     "hydra.sweep.dir": "${run.root}/multirun-${now:%Y-%m-%d_%H-%M-%S}",
     "hydra.sweep.subdir": "${hydra.job.num}",
     "hydra.job.name": "moe-launch",
+}
+_MULTIRUN_OVERRIDES = {  # a sweep's runs: each its own run directory (and run name, hence Slurm job name)
+    "hydra.sweep.dir": "${run.root}/${run.name}",
+    "hydra.sweep.subdir": "${run.name}-${hydra.job.num}",
+    "++hydra.callbacks.moe_launch_sweep._target_": "moe_launch.orchestrator.sweep.SweepCallback",
 }
 
 
@@ -87,15 +96,24 @@ def _discard_if_empty(run_dir: Path) -> None:
 def run_app(cfg_node) -> int:
     """The Hydra task: convert (validates), plan, then dry-run or submit and follow."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    run_dir = Path(HydraConfig.get().runtime.output_dir).absolute()
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir).absolute()
+    sweep = hc.mode == RunMode.MULTIRUN
+    code = 2
     try:
-        return _run_app(cfg_node, run_dir)
+        code = _run_app(cfg_node, run_dir, sweep)
+        return code
     finally:
         _discard_if_empty(run_dir)
+        if sweep:
+            from moe_launch.orchestrator.sweep import record_job
+
+            record_job(run_dir, list(hc.overrides.task), code)
 
 
-def _run_app(cfg_node, run_dir: Path) -> int:
+def _run_app(cfg_node, run_dir: Path, sweep: bool = False) -> int:
     from omegaconf import OmegaConf
 
     from moe_launch.conf.load import dump_config
@@ -132,6 +150,8 @@ def _run_app(cfg_node, run_dir: Path) -> int:
     except SubmissionError as e:
         return _fail(f"submission failed: {e}")
     print(f"moe-launch: run {cfg.run.name} started ({p.kind}: {handle}); outputs in {rd.root}", file=sys.stderr)
+    if sweep and p.kind == "slurm":  # submit every allocation first; SweepCallback follows them all together
+        return 0
     return login.follow(cfg, rd)
 
 
@@ -140,8 +160,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     if argv and argv[0] in SUBCOMMANDS:
         sys.exit(subcommand(argv))
     argv = ["dry_run=true" if a == "--dry-run" else a for a in argv]
-    for key, value in _DEFAULT_OVERRIDES.items():
-        if not any(a.startswith(key + "=") for a in argv):
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    defaults = {**_DEFAULT_OVERRIDES, **_MULTIRUN_OVERRIDES} if multirun else _DEFAULT_OVERRIDES
+    for key, value in defaults.items():
+        if not any(a.lstrip("+").startswith(key.lstrip("+") + "=") for a in argv):
             argv.append(f"{key}={value}")
     import hydra
 
@@ -158,6 +180,10 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     sys.argv = [sys.argv[0], *argv]
     _app()
+    if multirun:
+        from moe_launch.orchestrator.sweep import RESULT
+
+        codes.append(RESULT.pop("code", 0))
     sys.exit(max(codes, default=0))
 
 

@@ -110,7 +110,7 @@ class Trainer:
                 block.compile()
         self.loader = self._open_data()
         self.resume = self._choose_resume()
-        self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model reads the slot's own
+        self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model sets the resumed slot's
         self.start_step = self._load_model()
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         if self.resume.path is not None:
