@@ -12,8 +12,8 @@
 
 The subcommands are handled before Hydra sees argv. The run directory is Hydra's output directory,
 `${run.root}/${run.name}` unless `hydra.run.dir=...` moves it; a sweep's is `${run.root}/${run.name}` with one
-directory `${run.name}-<job number>` per run (a unique run name per job). Exit codes: 0 completed (or dry run), 1 the run
-failed or stopped, 2 bad configuration or submission refused.
+directory `${run.name}-<job number>` per run (a unique run name per job). Exit codes: 0 completed (or dry run), 1 the
+run failed or stopped, 2 bad configuration or submission refused.
 """
 
 from __future__ import annotations
@@ -161,6 +161,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(subcommand(argv))
     argv = ["dry_run=true" if a == "--dry-run" else a for a in argv]
     multirun = any(a in ("-m", "--multirun") for a in argv)
+    if multirun:  # Hydra's parser wants its flags before the overrides (`--dry-run -m ...` puts one in front)
+        argv = ["--multirun", *(a for a in argv if a not in ("-m", "--multirun"))]
     defaults = {**_DEFAULT_OVERRIDES, **_MULTIRUN_OVERRIDES} if multirun else _DEFAULT_OVERRIDES
     for key, value in defaults.items():
         if not any(a.lstrip("+").startswith(key.lstrip("+") + "=") for a in argv):

@@ -18,6 +18,7 @@ sweep can be rebuilt from its directory alone (`summarize(sweep_dir)`).
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import sys
 import threading
@@ -175,9 +176,12 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         from omegaconf import OmegaConf
 
-        if OmegaConf.select(config, "dry_run", default=False):
-            return
         sweep_dir = Path(str(config.hydra.sweep.dir)).absolute()
+        if OmegaConf.select(config, "dry_run", default=False):  # nothing ran: leave no sweep directory behind
+            _JOBS.clear()
+            if sweep_dir.is_dir() and {p.name for p in sweep_dir.iterdir()} <= {"multirun.yaml"}:
+                shutil.rmtree(sweep_dir, ignore_errors=True)
+            return
         jobs = list(_JOBS) or jobs_in(sweep_dir)
         _JOBS.clear()
         try:

@@ -19,7 +19,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_sweep(cwd: Path, *overrides: str, timeout: float) -> tuple[int, str]:
-    proc = subprocess.run([MOE_LAUNCH, "-m", *overrides], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.run([MOE_LAUNCH, *overrides, "-m"], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           stdin=subprocess.DEVNULL, timeout=timeout)
     out = proc.stdout.decode(errors="replace")
     print(out[-8000:])
@@ -62,6 +62,14 @@ def test_local_sweep_dense_vs_moe_one_command(tmp_path):
     assert sweep.varied(summary["runs"]) == [["model=tiny_dense"], ["model=tiny_moe"]]
     assert "shared: run.name=cmp train.steps=6" in out
     assert (tmp_path / "runs" / "cmp" / "plots" / "expert_balance.png").exists()  # the MoE run's load balance
+
+
+def test_dry_run_sweep_plans_each_combination_and_leaves_nothing(tmp_path):
+    """`-m` after the overrides and `--dry-run` among them (Hydra wants its flags first; the entry point reorders)."""
+    code, out = run_sweep(tmp_path, "--dry-run", "model=tiny_dense,tiny_moe", "run.name=dry", timeout=120)
+    assert code == 0 and out.count("# launch plan") == 2
+    assert '"run_name": "dry-0"' in out and '"run_name": "dry-1"' in out
+    assert not (tmp_path / "runs" / "dry").exists()
 
 
 def test_refused_combination_is_reported_and_fails_the_sweep(tmp_path):
