@@ -341,6 +341,8 @@ class RootConfig:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     run: RunConfig = field(default_factory=RunConfig)
     dry_run: bool = False
+    # print a job script for submission by hand and exit: "run" (the supervised run) | "preflight" (health checks only)
+    render_sbatch: Optional[str] = None
 
     def __post_init__(self) -> None:
         validate_cross(self)
@@ -348,6 +350,8 @@ class RootConfig:
 
 def validate_cross(cfg: RootConfig) -> None:
     """Checks that involve more than one group. Pure; raises ConfigError."""
+    if cfg.render_sbatch is not None:
+        _one_of(cfg.render_sbatch, ("run", "preflight"), "render_sbatch")
     m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
     if m.kind == "moe":
         _require(

@@ -139,6 +139,8 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool = False) -> int:
         else:
             print(f"# cluster.kind=local: the supervisor runs here as: {' '.join(p.supervisor_argv)}")
         return 0
+    if cfg.render_sbatch is not None:
+        return _render_for_hand_submission(cfg, run_dir, p)
     rd = RunDir(run_dir).make()
     if rd.summary.exists():  # a stopped run started again under its name: keep the old outcome, resume its checkpoints
         kept = rd.root / f"summary-{len(list(rd.root.glob('summary-*.json')))}.json"
@@ -155,11 +157,33 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool = False) -> int:
     return login.follow(cfg, rd)
 
 
+def _render_for_hand_submission(cfg, run_dir: Path, p) -> int:
+    """Writes the run directory's config.yaml (the supervisor and the checks read it) and the job script, prints
+    the script's path and `sbatch` command. Nothing is submitted."""
+    from moe_launch.conf.load import dump_config
+    from moe_launch.orchestrator.render import render_preflight_sbatch, render_sbatch
+    from moe_launch.rundir import RunDir
+
+    if p.kind != "slurm":
+        return _fail("render_sbatch: needs cluster=slurm (cluster.kind=local runs no job script)")
+    rd = RunDir(run_dir).make()
+    dump_config(cfg, rd.config)
+    name, text = (("job.sbatch", render_sbatch(p)) if cfg.render_sbatch == "run"
+                  else ("preflight.sbatch", render_preflight_sbatch(p)))
+    script = rd.root / "sbatch" / name
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    print(text)
+    print(f"# written to {script}; submit with: sbatch {script}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         sys.exit(subcommand(argv))
-    argv = ["dry_run=true" if a == "--dry-run" else a for a in argv]
+    flags = {"--dry-run": "dry_run=true", "--render-sbatch": "render_sbatch=run", "--render-preflight": "render_sbatch=preflight"}
+    argv = [flags.get(a, a) for a in argv]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if multirun:  # Hydra's parser wants its flags before the overrides (`--dry-run -m ...` puts one in front)
         argv = ["--multirun", *(a for a in argv if a not in ("-m", "--multirun"))]
