@@ -148,7 +148,8 @@ class FaultInjection:
 
     def __post_init__(self) -> None:
         if self.kind is not None:
-            _one_of(self.kind, ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt"), "train.fault_injection.kind")
+            kinds = ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt")
+            _one_of(self.kind, kinds, "train.fault_injection.kind")
 
 
 @dataclass
@@ -188,11 +189,13 @@ class TrainConfig:
             value = getattr(self, key)
             _require(value >= 1, f"train.{key}", f"got {value}", "use a positive integer")
         _require(self.lr > 0, "train.lr", f"got {self.lr}", "use a positive learning rate")
-        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"got {self.min_lr} with lr={self.lr}", "use 0 <= min_lr <= lr")
+        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"got {self.min_lr} with lr={self.lr}",
+                 "use 0 <= min_lr <= lr")
         _require(self.warmup_steps >= 0, "train.warmup_steps", f"got {self.warmup_steps}", "use a value >= 0")
         _one_of(self.schedule, ("cosine", "wsd", "constant"), "train.schedule")
         _require(0 < self.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", "out of (0, 1]", "use e.g. 0.2")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must lie in [0, 1)", "use 0.9 / 0.95")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must lie in [0, 1)",
+                 "use 0.9 / 0.95")
         _require(self.eps > 0, "train.eps", f"got {self.eps}", "use e.g. 1e-8")
         _require(self.weight_decay >= 0, "train.weight_decay", "is negative", "use a value >= 0")
         _require(self.grad_clip >= 0, "train.grad_clip", "is negative", "use 0 to disable or a positive norm")
@@ -392,7 +395,8 @@ def validate_cross(cfg: RootConfig) -> None:
     )
     fi = t.fault_injection
     if fi.kind is not None:
-        _require(0 <= fi.rank < p.world_size, "train.fault_injection.rank", f"rank {fi.rank} does not exist", f"use 0..{p.world_size - 1}")
+        _require(0 <= fi.rank < p.world_size, "train.fault_injection.rank", f"rank {fi.rank} does not exist",
+                 f"use 0..{p.world_size - 1}")
     if c.kind == "slurm":
         interval_min = 0.0
         _require(

@@ -182,7 +182,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         sys.exit(subcommand(argv))
-    flags = {"--dry-run": "dry_run=true", "--render-sbatch": "render_sbatch=run", "--render-preflight": "render_sbatch=preflight"}
+    flags = {"--dry-run": "dry_run=true", "--render-sbatch": "render_sbatch=run",
+             "--render-preflight": "render_sbatch=preflight"}
     argv = [flags.get(a, a) for a in argv]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if multirun:  # Hydra's parser wants its flags before the overrides (`--dry-run -m ...` puts one in front)

@@ -14,6 +14,7 @@ import pytest
 from data_helpers import TINY_VOCAB, small_spec
 
 from moe_launch.errors import DataError
+from moe_launch.trainer.data.permutation import permute
 from moe_launch.trainer.data.prepare import (
     PREPARE_SHUFFLE_EPOCH,
     list_inputs,
@@ -21,7 +22,6 @@ from moe_launch.trainer.data.prepare import (
     plan_parts,
     prepare,
 )
-from moe_launch.trainer.data.permutation import permute
 from moe_launch.trainer.data.shards import read_index
 from moe_launch.trainer.data.tokenizer import load_tokenizer
 

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def swiglu_expert(x_ND: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor) -> torch.Tensor:
+def swiglu_expert(
+    x_ND: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor
+) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x_ND, w_gate_FD)) * F.linear(x_ND, w_up_FD), w_down_DF)
 
 
