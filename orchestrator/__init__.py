@@ -11,4 +11,5 @@
   watch.py       heartbeats and fault records -> events
   backend.py     the cluster/step interface            local_cluster.py, slurm.py  its two implementations
   summary.py     summary.json                          report.py   plots of runs (moe-launch report)
+  sweep.py       multirun sweeps: one supervised run per combination, the sweep table and sweep_summary.json
 """
