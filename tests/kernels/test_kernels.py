@@ -127,5 +127,11 @@ def test_combine_forward_and_backward(T, K, EG, e0, e1, D, gen):
     (drows, dw), (drows_ref, dw_ref) = (reduce.combine_bwd(dy, rows, p.pair_row_TK, w),
                                         reduce.combine_bwd_reference(dy, rows, p.pair_row_TK, w))
     assert rel_err(drows[:R], drows_ref[:R]) <= 1e-6
-    assert rel_err(dw, dw_ref) <= 1e-6
+    # dw[t, k] is one D-term dot product: a relative bound fails on cancellation (T=1 can give |dw| ~ 0), so bound
+    # each element by the size of its terms, sum_d |dy[t, d] * rows[row, d]|, as fp32 summation error scales with it
+    local = p.pair_row_TK >= 0
+    terms_TK = torch.zeros_like(dw_ref)
+    dy_TKD = dy.unsqueeze(1).expand(T, K, D)
+    terms_TK[local] = (dy_TKD[local] * rows[p.pair_row_TK[local].long()]).abs().sum(-1)
+    assert bool(((dw - dw_ref).abs() <= 1e-6 * terms_TK).all()), ((dw - dw_ref).abs().max(), terms_TK.max())
     assert bool((dw[p.pair_row_TK < 0] == 0).all())  # non-local pairs: no router-weight gradient from this rank
