@@ -39,6 +39,16 @@ def all_gather(shard_S: torch.Tensor, axis: Axis) -> torch.Tensor:
     return out
 
 
+def all_gather_into_(full_N: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """In place: every rank contributes its own 1/size chunk of `full_N` (chunk i at [i*S, (i+1)*S)) and receives
+    everyone's. The own chunk is copied out first: gloo does not accept an input that aliases the output."""
+    if axis.size > 1:
+        s = full_N.numel() // axis.size
+        mine = full_N[axis.rank * s : (axis.rank + 1) * s].clone()
+        _all_gather_single(full_N, mine, group=axis.group)
+    return full_N
+
+
 def broadcast_(t: torch.Tensor, axis: Axis, src_index: int = 0) -> torch.Tensor:
     """Overwrite `t` on every member with the copy held by the member at index `src_index` of the axis."""
     if axis.size > 1:
