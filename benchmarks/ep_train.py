@@ -11,8 +11,9 @@ Measures, per rank (EP group = all ranks, dp = 1):
   3. one MoE layer forward + backward at --tokens tokens per rank with each dispatcher (median ms), same router and
      tokens; and the exchange alone (experts replaced by a near-free stand-in). Note the traffic: allgather sends
      each token once to every EP rank, alltoall sends one row per (token, expert) pair (top-8: up to 8 rows).
-Model: OLMoE-1B-7B dims (d 2048, 16 heads, 64 experts, top-8, expert FFN 1024, vocab 50304), 4 layers, fp32 master
-weights, bf16 autocast, realistic (not forced-uniform) routing from a random router.
+Model: OLMoE-1B-7B dims (d 2048, 16 heads, 64 experts, top-8, expert FFN 1024, vocab 50304), 4 layers, fp32
+parameters + bf16 autocast (default) or bf16 parameters with the fp32 master in the optimizer (--bf16-params), attention
++ norms compiled with --compile, realistic (not forced-uniform) routing from a random router.
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ def train_run(args, device, groups, strategy: str, dispatcher: str) -> dict:
     cfg = model_cfg(args, dispatcher)
     model = build_model(cfg, groups.ep_rank, groups.ep_size, device)
     attach_dispatchers(model, cfg, groups)
+    if args.bf16_params:  # as train.param_dtype=bf16: parameters only (rotary buffers stay fp32)
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    if args.compile:
+        from moe_launch.trainer.compile import compile_model
+        compile_model(model)
     pcfg = ParallelConfig(dp=1, ep=groups.ep_size, optimizer_sharding=strategy)
     opt = build_optimizer(model, TrainConfig(), pcfg, groups)
     g = torch.Generator().manual_seed(100 + groups.data_rank)
@@ -145,7 +152,7 @@ def main_rank(args) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
     groups = build_groups(ParallelConfig(dp=1, ep=world))
-    results: dict = {"world": world, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    results: dict = {"world": world, "bf16_params": args.bf16_params, "compile": args.compile, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "batch": args.batch, "seq": args.seq, "train": [], "dispatch": []}
     for dispatcher in args.dispatchers:
         for strategy in args.strategies:
@@ -187,6 +194,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--impl", default="fast", choices=("fast", "reference"))
+    ap.add_argument("--bf16-params", action="store_true", help="bf16 parameters, fp32 master in the optimizer")
+    ap.add_argument("--compile", action="store_true", help="compile attention + norms (train.compile)")
     ap.add_argument("--strategies", nargs="+", default=["zero1", "epso"])
     ap.add_argument("--dispatchers", nargs="+", default=["allgather", "alltoall"])
     ap.add_argument("--out", default=os.environ.get("OUT"))

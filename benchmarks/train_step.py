@@ -2,11 +2,12 @@
 
 Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/train_step.py --out $OUT
 CPU smoke test:   python benchmarks/train_step.py --smoke
-Rows: our model (a) as the trainer runs it today (fp32 params + bf16 autocast, FastSparseMoE kernels, chunked
-head + cross-entropy, our sharded AdamW with flat gradient buffers and torch._fused_adamw_), (b) bf16 params with
-fp32 master weights inside the optimizer (no autocast re-casts),
-and HF's model with experts_implementation grouped_mm (fp32 master + autocast, fused torch AdamW), each at the 4-layer
-OLMoE shape (batch 4 x 4096) and the full 16-layer shape (batch 2 x 4096).
+Rows (ids for --only): our model with FastSparseMoE kernels, chunked head + cross-entropy and our sharded AdamW
+(flat parameter/gradient buffers, one-pass Triton update) with bf16 parameters and the fp32 master inside the
+optimizer ("bf16"), the same with attention + norms compiled ("bf16c"), with 4 micro-batches per optimizer step
+("bf16c_acc4", 16 layers), fp32 parameters + bf16 autocast ("fp32"), and HF's model with experts_implementation
+grouped_mm (fp32 master + autocast, fused torch AdamW; "hf"), at the 4-layer OLMoE shape (batch 4 x 4096) and the
+full 16-layer shape (batch 2 x 4096 per micro-batch).
 MFU = (6*N_active + 6*L*d*S) * tokens / time / dense bf16 GEMM rate measured in this run, with
 N_active = L*(4d^2 + 3*K*d*F + d*E) + d*V (attention, the K active experts, router, output head; no input embedding).
 """
@@ -71,11 +72,28 @@ def timed_steps(step_fn, device, warmup: int, iters: int) -> list[float]:
     return times
 
 
-def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
+def compile_dense_parts(model) -> str:
+    """The trainer's train.compile (trainer/compile.py) when present, else per-block attention + norms here."""
+    try:
+        from moe_launch.trainer.compile import compile_model
+    except ImportError:
+        for block in model.blocks:
+            block.attn_norm.compile(dynamic=False)
+            block.attn.compile(dynamic=False)
+            block.ffn_norm.compile(dynamic=False)
+        return "benchmark-local"
+    compile_model(model)
+    return "trainer.compile.compile_model"
+
+
+def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool, accum: int = 1, compiled: bool = False,
+         profile_dir=None):
     torch.manual_seed(0)
     model = build_model(model_cfg, device=device)
-    if bf16_params:
-        model.to(torch.bfloat16)  # fp32 master copies live in the optimizer's flat shards
+    if bf16_params:  # parameters only: the rotary buffers stay fp32; the fp32 master lives in the optimizer
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    compiled_by = compile_dense_parts(model) if compiled else None
     groups = build_groups(ParallelConfig())
     opt = build_optimizer(model, TrainConfig(), ParallelConfig(), groups)
     use_autocast = device.type == "cuda" and not bf16_params
@@ -89,7 +107,8 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
         return loss
 
     def step():
-        loss = fwd_bwd()
+        for _ in range(accum):  # micro-batches of the same tokens: the cost does not depend on the values
+            loss = fwd_bwd()
         opt.reduce_grads()
         opt.clip_grad_norm_(1.0)
         opt.step(1e-4)
@@ -97,9 +116,13 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool):
         out["loss"] = loss
 
     times = timed_steps(step, device, warmup=2, iters=6 if device.type == "cuda" else 2)
-    res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"])}
+    res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"]), "accum": accum,
+           "compiled_by": compiled_by}
     if device.type == "cuda":
         res["peak_gib_step"] = torch.cuda.max_memory_allocated() / 2**30
+        res["optimizer_memory_gib"] = opt.optimizer_memory_bytes() / 2**30
+    if profile_dir:
+        res["profile_top"] = profile_step(step, device, profile_dir)
     if phases:
         res["phases_ms"] = phase_breakdown(model, opt, inputs, targets, device, use_autocast)
     return res
@@ -120,6 +143,15 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
         return 1e3 * sorted(timed_steps(go, device, 2, 5))[2]
 
     attn = run(lambda: block.attn(block.attn_norm(x))) * L
+    attn_backends = {}
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel([backend]):
+                    attn_backends[f"attention[{name}]"] = run(lambda: block.attn(block.attn_norm(x))) * L
+            except RuntimeError as e:
+                attn_backends[f"attention[{name}]"] = f"unavailable: {str(e)[:80]}"
     moe = run(lambda: block.ffn(block.ffn_norm(x))[0]) * L
     head = run(lambda: chunked_cross_entropy(model.norm(x).flatten(0, 1), model.lm_head.weight, targets.flatten()))
     head_unfused = run(lambda: torch.nn.functional.cross_entropy(
@@ -131,7 +163,24 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
         opt.step(1e-4)
     opt_ms = 1e3 * sorted(timed_steps(optim, device, 1, 3))[1]
     opt.zero_grad()
-    return {"attention": attn, "moe": moe, "head+ce": head, "head+ce unfused": head_unfused, "optimizer": opt_ms}
+    return {"attention": attn, **attn_backends, "moe": moe, "head+ce": head, "head+ce unfused": head_unfused,
+            "optimizer": opt_ms}
+
+
+def profile_step(step_fn, device, out_dir) -> list:
+    """One step under the torch profiler: the top CUDA kernels by total time (and a chrome trace in out_dir)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step_fn()
+        sync(device)
+    os.makedirs(out_dir, exist_ok=True)
+    prof.export_chrome_trace(os.path.join(out_dir, "train_step_trace.json"))
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(os.path.join(out_dir, "train_step_profile.txt"), "w") as f:
+        f.write(table)
+    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    return [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top[:25]]
 
 
 def hf(model_cfg, batch_BS1, device):
@@ -167,7 +216,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default="", help="comma list of row names to run")
+    ap.add_argument("--only", default="", help="comma list of row ids (bf16, bf16c, hf, ...) or shape/id")
+    ap.add_argument("--profile", action="store_true", help="profile one step of the first row (needs --out)")
     ap.add_argument("--budget-s", type=float, default=75.0, help="skip the remaining rows after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -183,23 +233,32 @@ def main() -> None:
                   ("olmoe-16L", base, 2, 4096)]
         rate = dense_rate(device, 8192)
     impl = "fast" if device.type == "cuda" else "reference"
-    row_fns = {
-        "ours: bf16 params, fp32 master in optimizer": lambda m, batch: ours(m, batch, device, True, phases=True),
-        "HF OlmoeForCausalLM grouped_mm": lambda m, batch: hf(m, batch, device),
-        "ours: fp32 params + autocast": lambda m, batch: ours(m, batch, device, bf16_params=False, phases=False),
-    }
-    # most informative first, so that --budget-s drops the least: fp32-param rows need > 139 GiB at 16 layers and
-    # HF's 16-layer row is in shared/measurements
-    plan = [(shapes[0], name) for name in list(row_fns)[:2]] + [(s, list(row_fns)[0]) for s in shapes[1:]] + \
-        [(shapes[0], list(row_fns)[2])]
+    prof_dir = os.path.join(args.out, "profile") if args.out and args.profile else None
+    four, sixteen = shapes[0], shapes[-1]
+    # (id, shape, label, fn(model_cfg, batch) -> row): most informative first, so that --budget-s drops the least
+    plan = [
+        ("bf16", four, "ours: bf16 params + fp32 master (remainder) in optimizer",
+         lambda m, batch: ours(m, batch, device, True, phases=True, profile_dir=prof_dir)),
+        ("bf16c", four, "ours: bf16 params, attention + norms compiled",
+         lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True)),
+        ("hf", four, "HF OlmoeForCausalLM grouped_mm", lambda m, batch: hf(m, batch, device)),
+        ("bf16", sixteen, "ours: bf16 params + fp32 master (remainder) in optimizer",
+         lambda m, batch: ours(m, batch, device, True, phases=True)),
+        ("bf16c", sixteen, "ours: bf16 params, attention + norms compiled",
+         lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True)),
+        ("bf16c_acc4", sixteen, "ours: bf16 params, compiled, 4 micro-batches per step",
+         lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True, accum=4)),
+        ("fp32", four, "ours: fp32 params + autocast",
+         lambda m, batch: ours(m, batch, device, bf16_params=False, phases=False)),
+    ]
     rows = []
     only = set(filter(None, args.only.split(",")))
-    for (shape_name, m, B, S), name in plan:
+    for row_id, (shape_name, m, B, S), name, fn in plan:
         m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, impl=impl))
         torch.manual_seed(1)
         batch = torch.randint(0, m.vocab_size, (B, S + 1), device=device)
         fpt = flops_per_token(m, S)
-        if only and name.split(":")[0] not in only:
+        if only and row_id not in only and f"{shape_name}/{row_id}" not in only:
             continue
         if time.perf_counter() - t_start > args.budget_s:
             print(f"skipped {shape_name} / {name}: past --budget-s", flush=True)
@@ -210,29 +269,35 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
         t_row = time.perf_counter()
         try:
-            r = row_fns[name](m, batch)
+            r = fn(m, batch)
         except Exception as e:  # an OOM on one row must not cost the others
             traceback.print_exc()
             r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
         if "ms" in r:
-            tokens = B * S
+            tokens = B * S * r.get("accum", 1)
             r["tokens_per_s"] = tokens / (r["ms"] / 1e3)
             r["mfu"] = fpt * r["tokens_per_s"] / rate
         if device.type == "cuda":
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        r.update(shape=shape_name, row=name, batch=B, seq=S, row_s=round(time.perf_counter() - t_row, 1))
+        r.update(id=row_id, shape=shape_name, row=name, batch=B, seq=S, row_s=round(time.perf_counter() - t_row, 1))
         rows.append(r)
         print(json.dumps(r), flush=True)
         write_json(args.out, device, rate, rows)  # after every row: a timeout keeps what was measured
     meta = write_json(args.out, device, rate, rows)
     print(f"\n{meta}")
-    print(f"{'shape':10s} {'row':46s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'GiB':>6s}  phases")
+    for r in rows:
+        if r.get("profile_top"):
+            print(f"\nprofile of {r['shape']}/{r['id']} (self CUDA ms, calls):")
+            for key, ms, n in r["profile_top"]:
+                print(f"  {ms:8.2f} {n:5d}  {key}")
+    print(f"\n{'shape':10s} {'id':11s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'GiB':>6s}  phases")
     for r in rows:
         if "error" in r:
-            print(f"{r['shape']:10s} {r['row']:46s} ERROR {r['error']}")
+            print(f"{r['shape']:10s} {r['id']:11s} ERROR {r['error']}")
             continue
-        ph = " ".join(f"{k}={v:.1f}" for k, v in r.get("phases_ms", {}).items())
-        print(f"{r['shape']:10s} {r['row']:46s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
+        ph = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in r.get("phases_ms", {}).items())
+        print(f"{r['shape']:10s} {r['id']:11s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
               f"{r.get('peak_gib', 0):6.1f}  {ph}")
 
 
