@@ -147,3 +147,20 @@ def test_chunking_changes_nothing(monkeypatch, fused, dtype):
     for n in whole[0]:
         assert torch.equal(whole[0][n], chunked[0][n]), n  # element-wise update: bitwise
     assert chunked[2] == pytest.approx(whole[2], rel=1e-6)
+
+
+def test_local_grad_norm_is_the_norm_and_flags_non_finite():
+    model = Toy()
+    opt = ShardedAdamW(list(model.named_parameters()), build_groups(ParallelConfig()), "none",
+                       betas=(TRAIN.beta1, TRAIN.beta2), eps=TRAIN.eps, weight_decay=TRAIN.weight_decay)
+    grads = _grads(0)
+    for n, p in model.named_parameters():
+        p.grad.copy_(grads[n])
+    want = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])).item()
+    local = opt.local_grad_norm()
+    assert local.device.type == "cpu" and local.item() == pytest.approx(want, rel=1e-6)
+    opt.reduce_grads()
+    assert opt.grad_norm() == pytest.approx(want, rel=1e-6)  # one data rank: the cached local norm is reused
+    opt.zero_grad()
+    model.w.grad[1, 2] = float("inf")
+    assert not torch.isfinite(opt.local_grad_norm())

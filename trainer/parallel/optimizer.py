@@ -103,6 +103,7 @@ class ShardedAdamW:
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.step_count = 0
+        self._local_sq: Optional[torch.Tensor] = None  # local_grad_norm()'s sum of squares, until zero_grad
         self.buckets = self._make_buckets(named_params)
         device = self.buckets[0].params[0].device if self.buckets else torch.device("cpu")
         self.fused = device.type == "cuda" if fused is None else fused
@@ -207,12 +208,29 @@ class ShardedAdamW:
     # -- the step ------------------------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         """Zero the gradient buffers in place; every p.grad stays (or becomes again) a view into its bucket."""
+        self._local_sq = None
         for b in self.buckets:
             b.grad, b.grad_coef = None, 1.0
             b.grad_buffer.zero_()
             for p, view in zip(b.params, b.grad_views):
                 if p.grad is not view:
                     p.grad = view
+
+    def local_grad_norm(self) -> torch.Tensor:
+        """L2 norm of this rank's own (unreduced) gradients, as a device scalar (no host sync): non-finite iff some
+        local gradient is. When the reduction is the identity (one data rank, nothing sharded), the global norm
+        `grad_norm()` equals it and reuses it instead of reading the gradients again."""
+        norms = [torch.linalg.vector_norm(b.flat_grads()[lo : lo + CHUNK], dtype=torch.float32)
+                 for b in self.buckets for lo in range(0, b.padded, CHUNK)]
+        device = self.buckets[0].grad_buffer.device if self.buckets else torch.device("cpu")
+        sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                   device=device)
+        self._local_sq = sq
+        return sq.sqrt()
+
+    def _reduction_is_identity(self) -> bool:
+        return self.groups.data_size == 1 and all(b.shard_axis.size == 1 and b.extra_axis.size == 1
+                                                  for b in self.buckets)
 
     def reduce_grads(self) -> None:
         """Average the gradients over the data ranks (see the module docstring) into per-bucket shards. Without
@@ -242,6 +260,9 @@ class ShardedAdamW:
         so replicated parameters count once and every expert shard on every EP rank counts. Norms are accumulated in
         fp32 per chunk straight from the gradient's dtype; only the few per-chunk norms are summed in fp64."""
         self._require_reduced()
+        cached, self._local_sq = self._local_sq, None
+        if cached is not None and self._reduction_is_identity():
+            return math.sqrt(cached.item())  # note: a host sync
         device = self.buckets[0].grad.device if self.buckets else torch.device("cpu")
         norms = [torch.linalg.vector_norm(g, dtype=torch.float32)
                  for b in self.buckets if b.extra_axis.rank == 0 for _, g in self._grad_chunks(b)]
