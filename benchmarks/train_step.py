@@ -157,6 +157,22 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
     head_unfused = run(lambda: torch.nn.functional.cross_entropy(
         model.lm_head(model.norm(x)).float().flatten(0, 1), targets.flatten()))
 
+    # correctness of the chunked head + CE against the unfused one on these activations (loss, dh, dW)
+    got, want = {}, {}
+    for store, fn in ((got, lambda h: chunked_cross_entropy(h.flatten(0, 1), model.lm_head.weight,
+                                                            targets.flatten())),
+                      (want, lambda h: torch.nn.functional.cross_entropy(
+                          (h @ model.lm_head.weight.t()).float().flatten(0, 1), targets.flatten()))):
+        h = model.norm(x).detach().requires_grad_()
+        model.lm_head.weight.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            loss = fn(h)
+        loss.backward()
+        store.update(loss=loss.detach().float(), dh=h.grad.float(), dw=model.lm_head.weight.grad.float())
+    model.lm_head.weight.grad = None
+    ce_err = {k: float((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)) for k in got}
+    opt.zero_grad()  # restores the parameters' gradient views
+
     def optim():  # the gradient buffers hold whatever the runs above left: the cost does not depend on values
         opt.reduce_grads()
         opt.clip_grad_norm_(1.0)
@@ -164,7 +180,7 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
     opt_ms = 1e3 * sorted(timed_steps(optim, device, 1, 3))[1]
     opt.zero_grad()
     return {"attention": attn, **attn_backends, "moe": moe, "head+ce": head, "head+ce unfused": head_unfused,
-            "optimizer": opt_ms}
+            "optimizer": opt_ms, "ce_rel_err(loss,dh,dW)": ",".join(f"{ce_err[k]:.1e}" for k in ("loss", "dh", "dw"))}
 
 
 def profile_step(step_fn, device, out_dir) -> list:

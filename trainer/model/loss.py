@@ -48,6 +48,25 @@ def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_val
     return loss_sum, p_CV.to(h_CD.dtype), valid_C.to(torch.float32) / n_valid
 
 
+def _fp32_out_mm(a: torch.Tensor) -> bool:
+    """Whether torch's GEMMs can take bf16/fp16 inputs and write fp32 (`out_dtype`, CUDA only, recent torch)."""
+    global _FP32_OUT_MM
+    if not a.is_cuda or a.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if _FP32_OUT_MM is None:
+        try:
+            acc = torch.zeros(2, 2, device=a.device)
+            x = torch.ones(2, 3, device=a.device, dtype=a.dtype)
+            torch.addmm(acc, x, x.t(), out_dtype=torch.float32, out=acc)
+            _FP32_OUT_MM = bool(torch.equal(acc, torch.full_like(acc, 3.0)))
+        except (TypeError, RuntimeError):
+            _FP32_OUT_MM = False
+    return _FP32_OUT_MM
+
+
+_FP32_OUT_MM = None
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TD, w_VD, y_T, compute_dtype, chunk, want_grad):
@@ -64,8 +83,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 total += loss_sum
                 if want_grad:
                     scale_C1 = scale_C[:, None]
-                    dh_TD[lo : lo + chunk] = (g_CV @ wc_VD).float().mul_(scale_C1)
-                    dw_VD += (g_CV.t() @ (h_CD.float() * scale_C1).to(compute_dtype)).float()
+                    hs_CD = (h_CD.float() * scale_C1).to(compute_dtype)
+                    if _fp32_out_mm(g_CV):  # the GEMM writes / accumulates fp32 itself: no bf16 round trip
+                        dh_TD[lo : lo + chunk] = torch.mm(g_CV, wc_VD, out_dtype=torch.float32).mul_(scale_C1)
+                        torch.addmm(dw_VD, g_CV.t(), hs_CD, out_dtype=torch.float32, out=dw_VD)
+                    else:
+                        dh_TD[lo : lo + chunk] = (g_CV @ wc_VD).float().mul_(scale_C1)
+                        dw_VD += (g_CV.t() @ hs_CD).float()
         ctx.save_for_backward(dh_TD, dw_VD)
         ctx.h_dtype, ctx.w_dtype = h_TD.dtype, w_VD.dtype
         return total / n_valid
