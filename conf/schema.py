@@ -172,6 +172,12 @@ class TrainConfig:
     seed: int = 1234
     deterministic: bool = False
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    # dtype of the model's parameters (and gradients): auto | fp32 | bf16. auto = bf16 whenever the compute dtype
+    # (train.dtype, resolved on the device) is bf16, else fp32. bf16 parameters keep the fp32 master weights and
+    # moments inside the optimizer (trainer/parallel/optimizer.py), so autocast does not re-cast every weight in every
+    # micro-batch and weights + gradients take half the memory; gradients then accumulate over micro-batches in bf16
+    # and the residual stream is bf16. fp32 keeps fp32 parameters under bf16 autocast (the conservative choice).
+    param_dtype: str = "auto"
     ckpt_interval: int = 20  # dual alternating full checkpoints every N steps (0 disables)
     model_ckpt_interval: int = 0  # persistent model-only checkpoints every M steps (0 disables)
     log_interval: int = 1
@@ -200,6 +206,10 @@ class TrainConfig:
         _require(self.weight_decay >= 0, "train.weight_decay", "is negative", "use a value >= 0")
         _require(self.grad_clip >= 0, "train.grad_clip", "is negative", "use 0 to disable or a positive norm")
         _one_of(self.dtype, ("auto", "fp32", "bf16"), "train.dtype")
+        _one_of(self.param_dtype, ("auto", "fp32", "bf16"), "train.param_dtype")
+        _require(not (self.param_dtype == "bf16" and self.dtype == "fp32"), "train.param_dtype",
+                 "bf16 parameters need bf16 compute, but train.dtype=fp32",
+                 "set train.dtype=bf16 (or auto on GPU), or train.param_dtype=fp32 / auto")
         _require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
         _require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
         for i, item in enumerate(self.recompute):

@@ -10,6 +10,9 @@ Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage (tra
 backward of the micro-batches is one `pipeline_step` (its schedule interleaves them across stages), and checkpoints
 use the stage-sharded files of trainer/pipeline/ckpt.py; everything else (fault check, reduction, optimizer, metrics)
 is the same code, run per stage.
+Dtypes: compute in `train.dtype` (bf16 autocast on GPU by default); parameters and gradients in `train.param_dtype`
+(bf16 with bf16 compute by default): the model is built and loaded in fp32, then its parameters are cast, and the
+optimizer keeps the fp32 master weights and moments (and checkpoints them), so a resume stays bitwise.
 Steps are 0-based inside (`step` = the batch index = the data position); records and checkpoints use the number of
 COMPLETED steps (`done` = step + 1). The process group must exist before a Trainer is built (see __main__.py).
 """
@@ -32,6 +35,7 @@ from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
+from moe_launch.trainer.compile import compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
@@ -66,6 +70,33 @@ def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if setting == "bf16" else torch.float32
 
 
+def param_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
+    """The parameters' dtype for `train.param_dtype` given the resolved compute dtype: auto follows the compute dtype
+    (bf16 compute -> bf16 weights, the fp32 master copy lives in the optimizer). The config check can only reject
+    train.dtype=fp32 explicitly; train.dtype=auto resolves to fp32 on CPU, which is caught here."""
+    if setting == "auto":
+        return compute
+    if setting == "bf16" and compute != torch.bfloat16:
+        raise ConfigError("train.param_dtype", "bf16 parameters need bf16 compute, but train.dtype resolves to "
+                          f"{compute} on this device", "set train.dtype=bf16, or train.param_dtype=fp32 / auto")
+    return torch.bfloat16 if setting == "bf16" else torch.float32
+
+
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # torch's dtype names -> train.param_dtype values
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the parameters only, in place (same Parameter objects: names, flags such as _moe_expert, and whatever
+    holds a reference keep working). Buffers keep their dtype: the rotary cos/sin tables stay fp32."""
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 class Trainer:
     def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu")):
         self.cfg, self.run_dir, self.attempt, self.device = cfg, run_dir.make(), attempt, device
@@ -79,6 +110,7 @@ class Trainer:
                              is_moe=cfg.model.kind == "moe", dp_size=self.groups.dp_size)
         set_determinism(t.deterministic, device)
         self.dtype = compute_dtype(t.dtype, device)
+        self.param_dtype = param_dtype(t.param_dtype, self.dtype)
         per_pass = self.groups.data_size * t.micro_batch_size
         if t.global_batch_size % per_pass:
             raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not a multiple of data ranks "
@@ -103,15 +135,16 @@ class Trainer:
             attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute:
             apply_recompute(self.model, t.recompute)
-        if t.compile:  # per block, as torchtitan does; in place, so parameter names (checkpoints, buckets) stay
-            # a stage keeps its blocks in a ModuleDict keyed by global layer index
-            blocks = self.model.blocks.values() if self.pipeline is not None else self.model.blocks
-            for block in blocks:
-                block.compile()
+        if t.compile:  # the dense parts of every block (norms, attention), in place: parameter names stay;
+            # the MoE layers stay eager. Tracing happens at the first forward, so in the parameters' final dtype
+            compile_model(self.model)
         self.loader = self._open_data()
         self.resume = self._choose_resume()
         self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model sets the resumed slot's
         self.start_step = self._load_model()
+        # after the weights are final (loads cast into the fp32-built model: any saved dtype works), before the
+        # optimizer takes its fp32 masters from them; a resume then overwrites the masters with the saved exact ones
+        cast_parameters(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         if self.resume.path is not None:
             self._load_optimizer_and_rng(self.resume.path)
@@ -147,6 +180,7 @@ class Trainer:
             saved = ckpt_state.load_trainer_state(self.resume.path)
             # CheckpointError unless at most parallel.dp / optimizer_sharding changed (the model files do not
             # depend on them; the optimizer shards are reassembled in _load_optimizer_and_rng)
+            self._check_param_dtype(saved.get("param_dtype"))
             self.saved_layout = saved["layout"]
             self.resume_mode = resume_mode(self.saved_layout, self._layout())
             self._load_and_broadcast(self.resume.path, any_layout=False)
@@ -171,6 +205,15 @@ class Trainer:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=init_from, model_only=True,
                               fresh_optimizer=True, step=0, attempt=self.attempt)
         return 0
+
+    def _check_param_dtype(self, saved: Optional[str]) -> None:
+        """The optimizer's state is bucketed by parameter dtype, so a full resume needs the saved one (checkpoints of
+        older versions do not say: fp32 parameters then, and a mismatch surfaces as a bucket error)."""
+        mine = _dtype_name(self.param_dtype)
+        if saved is not None and saved != mine:
+            raise ConfigError("train.param_dtype", f"{self.resume.path} was written with {saved} parameters, this run "
+                              f"has {mine}", f"resume with train.param_dtype={_SHORT[saved]}, or start from its "
+                              "weights with a fresh optimizer (model.init_from=ckpt:<a model-step-N checkpoint>)")
 
     def _load_and_broadcast(self, path, any_layout: bool) -> None:
         """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights.
@@ -228,7 +271,8 @@ class Trainer:
             print(f"[trainer] {self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size} "
                   f"pp={self.groups.pp_size}), "
                   f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
-                  f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, {self.dtype}",
+                  f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, compute {self.dtype}, "
+                  f"parameters {self.param_dtype}",
                   flush=True)
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress)
         try:
@@ -359,7 +403,7 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def _trainer_state(self, done: int) -> dict:
         return {"step": done, "data": self.loader.state_dict(), "layout": self._layout(),
-                "model": asdict(self.cfg.model), "time": time.time()}
+                "model": asdict(self.cfg.model), "param_dtype": _dtype_name(self.param_dtype), "time": time.time()}
 
     def _kill_hook(self, done: int):
         if self.injection == "kill_during_ckpt" and done >= self.cfg.train.fault_injection.step:

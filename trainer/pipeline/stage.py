@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe_launch.conf.schema import ModelConfig
 from moe_launch.errors import ConfigError, DataError
 from moe_launch.trainer.model.init import init_weights
+from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
 from moe_launch.trainer.model.transformer import Block
@@ -72,8 +72,8 @@ class StageModel(nn.Module):
                 layers.append(i)
                 stats.append(s)
         if chunk == self.last_chunk:
-            logits_BSV = self.lm_head(self.norm(x))
-            x = F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+            # head + cross-entropy chunked over tokens, as Transformer.compute_loss: no full fp32 logits
+            x = chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight, targets_BS.flatten())
         return ChunkOut(out=x, layers=layers, stats=stats)
 
 
