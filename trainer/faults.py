@@ -43,14 +43,12 @@ def active_injection(fi: FaultInjection, rank: int, attempt: int, host: str) -> 
     return fi.kind
 
 
-def local_fault(loss: float, grads: list[torch.Tensor]) -> Optional[str]:
-    """What is wrong with this rank's step, or None. Note: reads the loss and a gradient norm (a device sync)."""
+def local_fault(loss: float, grad_norm: float) -> Optional[str]:
+    """What is wrong with this rank's step (its loss and the norm of its own gradients), or None."""
     if not math.isfinite(loss):
         return f"non-finite loss {loss}"
-    if grads:
-        norm = float(torch.nn.utils.get_total_norm([g.detach() for g in grads]))  # fused per-tensor norms
-        if not math.isfinite(norm):
-            return f"non-finite local gradient norm ({norm})"
+    if not math.isfinite(grad_norm):
+        return f"non-finite local gradient norm ({grad_norm})"
     return None
 
 

@@ -329,16 +329,18 @@ class Trainer:
         if self.injection in ("hang", "crash", "sigkill") and done == t.fault_injection.step:
             {"hang": faults.hang_forever, "sigkill": faults.sigkill_self}.get(self.injection, self._crash)()
         local_BP, per_layer = self._forward_backward(step, done)
-        what = faults.local_fault(float(local_BP[0]), [p.grad for p in self.model.parameters() if p.grad is not None])
-
+        # this rank's fault flag stays on the device: one all-reduce and one host read decide for every rank
+        local_norm = self.optimizer.local_grad_norm()  # over the flat gradient buffers; reused as the global norm
         world = self.groups.world_size
         shared = torch.zeros(world + 1 + 4, dtype=torch.float64, device=self.device)
-        shared[self.rank] = 1.0 if what else 0.0
+        shared[self.rank] = (~(torch.isfinite(local_BP[0]) & torch.isfinite(local_norm))).double()
         shared[world] = 1.0 if self.stop_requested else 0.0
         shared[world + 1:] = local_BP
-        self.comm.all_reduce_(shared)  # the one extra collective of the step; a host sync follows
-        faulty = [r for r in range(world) if shared[r] > 0]
+        self.comm.all_reduce_(shared)  # the one extra collective of the step
+        flags = shared[: world + 1].tolist()  # the step's host sync
+        faulty = [r for r in range(world) if flags[r] > 0]
         if faulty:
+            what = faults.local_fault(float(local_BP[0]), float(local_norm)) if self.rank in faulty else None
             return self._fault(done, faulty, what)
 
         self.optimizer.reduce_grads()
@@ -355,7 +357,7 @@ class Trainer:
             sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer))
         if t.step_sleep_s:
             time.sleep(t.step_sleep_s)
-        stop = shared[world] > 0
+        stop = flags[world] > 0
         saved = False
         if (t.ckpt_interval and done % t.ckpt_interval == 0) or stop:  # preemption always leaves a checkpoint
             self.save_checkpoint(done)
