@@ -34,7 +34,8 @@ class MoEConfig:
     norm_topk_prob: bool = False  # OLMoE-1B-7B: False
     aux_loss_coef: float = 1e-2  # Switch-style load balancing
     z_loss_coef: float = 1e-3  # router z-loss
-    impl: str = "reference"  # reference | fast (kernels/)
+    # auto (FastSparseMoE kernels for CUDA tensors, the torch reference elsewhere) | fast (kernels/) | reference
+    impl: str = "auto"
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
@@ -49,7 +50,7 @@ class MoEConfig:
         _require(self.expert_hidden >= 1, "model.moe.expert_hidden", f"got {self.expert_hidden}", "use a positive size")
         _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-2)")
         _require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
-        _one_of(self.impl, ("reference", "fast"), "model.moe.impl")
+        _one_of(self.impl, ("auto", "reference", "fast"), "model.moe.impl")
         _one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
 
 

@@ -5,7 +5,8 @@ Shapes: B batch, S sequence, T = B*S tokens, D model dim, F expert hidden, E_loc
 
 Two swappable parts, both plain attributes chosen at build time (never by control flow in forward):
   experts_fn  (x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=) -> y_TD over the LOCAL experts;
-              model.moe.impl picks trainer.moe.reference.experts_reference or kernels.moe.fast_experts.
+              model.moe.impl picks trainer.moe.reference.experts_reference or kernels.moe.fast_experts
+              (auto: the kernels for CUDA tensors).
   dispatcher  (x_TD, idx_TK, w_TK, layer) -> y_TD. `local_dispatch` runs every expert here (EP=1); expert
               parallelism (trainer/parallel) installs all-gather or all-to-all dispatchers that move tokens
               between EP ranks and call layer.experts_fn on the tokens routed to this rank's experts.
@@ -39,12 +40,23 @@ class RouterStats:
 def resolve_experts_fn(impl: str) -> ExpertsFn:
     if impl == "reference":
         return experts_reference
+    if impl == "auto":
+        return auto_experts
     try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
         from moe_launch.kernels.moe import fast_experts
     except ImportError as e:
         raise ConfigError("model.moe.impl", f"'fast' needs moe_launch.kernels.moe.fast_experts ({e})",
                           "install the kernels (triton) or use model.moe.impl=reference") from e
     return fast_experts
+
+
+def auto_experts(x_TD: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """model.moe.impl=auto: the FastSparseMoE kernels on CUDA tensors, the torch reference on anything else (the
+    kernels run on CPU only through Triton's slow interpreter)."""
+    if x_TD.is_cuda:
+        from moe_launch.kernels.moe import fast_experts
+        return fast_experts(x_TD, *args, **kwargs)
+    return experts_reference(x_TD, *args, **kwargs)
 
 
 def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, layer: "MoELayer") -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""The trainer itself at the OLMoE-1B-7B shapes (issue 11): `python -m moe_launch.trainer` on a real run directory and
+real npy shards, its own per-step timing from metrics.jsonl (data loading, fault checks, host sync, logging included).
+
+Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/trainer_throughput.py --out $OUT
+CPU smoke test:   python benchmarks/trainer_throughput.py --smoke
+
+Each case writes random-token shards (vocab 50304; the values do not change the cost), a config.yaml with the
+default trainer settings for a GPU (bf16 compute, train.param_dtype=auto -> bf16 parameters with the fp32 master in
+the optimizer, model.moe.impl=auto -> FastSparseMoE kernels, chunked head + cross-entropy) plus `train.compile`, no
+checkpoints, and runs the trainer as a subprocess. Reported: median tokens/s over the steps after warm-up (the
+trainer's own `tokens_per_s`, measured around the whole step), MFU as in benchmarks/train_step.py against a dense bf16
+GEMM rate measured after the trainer exits, and the final loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moe_launch.conf import presets
+from moe_launch.conf.load import dump_config
+from moe_launch.conf.schema import ClusterConfig, DataConfig, RootConfig, TrainConfig
+from moe_launch.rundir import RunDir
+from moe_launch.trainer.data import shards
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_step import dense_rate, flops_per_token  # noqa: E402
+
+
+def write_random_shards(out: Path, n_rows: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    rows_NL = np.random.default_rng(seed).integers(0, vocab, size=(n_rows, seq_len + 1), dtype=np.int64)
+    rows_NL = rows_NL.astype(shards.token_dtype(vocab))
+    shards.write_shard(out, 0, rows_NL)
+    index = shards.ShardIndex(seq_len=seq_len, dtype=str(rows_NL.dtype), vocab_size=vocab, eos_id=0,
+                              max_token_id=int(rows_NL.max()), shards=[{"file": shards.shard_name(0), "count": n_rows}],
+                              tokenizer="random", seed=seed, shard_size=n_rows, total_tokens=int(rows_NL.size))
+    shards.write_index(out, index)
+    return out
+
+
+def run_case(name: str, model, micro: int, accum: int, seq: int, steps: int, compile_: bool, work: Path) -> dict:
+    data = write_random_shards(work / f"data-{name}", micro * accum * (steps + 1), seq, model.vocab_size)
+    train = TrainConfig(steps=steps, global_batch_size=micro * accum, micro_batch_size=micro, seq_len=seq, lr=1e-4,
+                        min_lr=1e-5, warmup_steps=2, ckpt_interval=0, log_interval=1, compile=compile_,
+                        progress=False)
+    cfg = RootConfig(model=model, train=train, data=DataConfig(path=str(data)), cluster=ClusterConfig(kind="local"))
+    rd = RunDir(work / f"run-{name}").make()
+    dump_config(cfg, rd.config)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "moe_launch.trainer", "--run-dir", str(rd.root)], env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    records = [json.loads(line) for line in rd.metrics.read_text().splitlines()] if rd.metrics.exists() else []
+    out = {"case": name, "rc": proc.returncode, "wall_s": round(wall, 1), "steps_logged": len(records),
+           "micro_batch": micro, "accum": accum, "seq": seq, "compile": compile_}
+    if proc.returncode != 0 or len(records) < 3:
+        out["stderr_tail"] = (proc.stdout + proc.stderr)[-3000:]
+        return out
+    warm = records[len(records) // 3:]  # the first steps include compilation and allocator warm-up
+    out["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in warm)
+    out["final_loss"] = records[-1]["loss"]
+    out["flops_per_token"] = flops_per_token(model, seq)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--only", default="", help="comma list of case names")
+    args = ap.parse_args()
+    base = presets.MODELS["olmoe_1b7b"]
+    if args.smoke:
+        tiny = dataclasses.replace(base, n_layers=2, d_model=64, n_heads=4, vocab_size=512, max_seq_len=64,
+                                   moe=dataclasses.replace(base.moe, num_experts=8, top_k=2, expert_hidden=32))
+        cases = [("smoke", tiny, 2, 1, 64, False)]
+    else:
+        cases = [("olmoe-4L", dataclasses.replace(base, n_layers=4), 4, 1, 4096, True),
+                 ("olmoe-16L", base, 2, 1, 4096, True)]
+    only = set(filter(None, args.only.split(",")))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="moe-trainer-bench-") as tmp:
+        for name, model, micro, accum, seq, compile_ in cases:
+            if only and name not in only:
+                continue
+            r = run_case(name, model, micro, accum, seq, 4 if args.smoke else args.steps, compile_, Path(tmp))
+            rows.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
+            if "stderr_tail" in r:
+                print(r["stderr_tail"], flush=True)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    rate = dense_rate(device, 256 if args.smoke else 8192)
+    for r in rows:
+        if "tokens_per_s" in r:
+            r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / rate
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dense_tflops": rate / 1e12}
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        Path(args.out, "trainer_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"\n{meta}\n{'case':10s} {'rc':>3s} {'tok/s':>9s} {'MFU':>6s} {'loss':>7s}")
+    for r in rows:
+        if "tokens_per_s" in r:
+            print(f"{r['case']:10s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% {r['final_loss']:7.3f}")
+        else:
+            print(f"{r['case']:10s} {r['rc']:3d} FAILED (see above)")
+
+
+if __name__ == "__main__":
+    main()
