@@ -262,6 +262,7 @@ def main() -> None:
          lambda m, batch: ours(m, batch, device, True, phases=True)),
         ("bf16c", sixteen, "ours: bf16 params, attention + norms compiled",
          lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True)),
+        ("hf", sixteen, "HF OlmoeForCausalLM grouped_mm", lambda m, batch: hf(m, batch, device)),
         ("bf16c_acc4", sixteen, "ours: bf16 params, compiled, 4 micro-batches per step",
          lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True, accum=4)),
         ("fp32", four, "ours: fp32 params + autocast",

@@ -63,9 +63,10 @@ def _raise_cache_limits(n_targets: int) -> None:
 
 
 def compile_model(model: nn.Module) -> None:
-    """Compile, in place, the dense parts of every decoder block of `model` (see the module docstring). Call it
-    after the model is built, moved to its device / dtype and its EP dispatchers attached; before or after
-    `apply_recompute`. Compilation itself happens on the first forward. Compiling twice is a no-op."""
+    """Compile, in place, the dense parts of every decoder block of `model` and its final norm (see the module
+    docstring). Call it after the model is built and its EP dispatchers attached, before or after `apply_recompute`.
+    Tracing happens at the first forward, so parameters may still be cast / loaded in between (the Trainer casts
+    them to train.param_dtype afterwards). Compiling twice is a no-op."""
     targets = compile_targets(model)
     _raise_cache_limits(len(targets))
     for _name, module in targets:

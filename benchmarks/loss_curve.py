@@ -1,0 +1,217 @@
+"""Loss-curve benchmark (issue 11): does the fast training path learn like the reference MoE path?
+
+On one GPU:   PYTHONUNBUFFERED=1 python benchmarks/loss_curve.py --out $OUT          (~1 min per run on an H200)
+CPU smoke:    python benchmarks/loss_curve.py --smoke --out /tmp/lc                  (tiny model, 5 steps)
+Data only:    python benchmarks/loss_curve.py --prepare-only --data-cache DIR        (tokenize the corpus, no training)
+
+Runs the real Trainer (moe_launch.trainer.loop.Trainer) three times on the same data order and the same init
+(train.seed), each in a fresh run directory under --out:
+  fast       model.moe.impl=fast (Triton kernels), train.dtype=bf16 (bf16 params, fp32 masters in the optimizer)
+  ref_bf16   model.moe.impl=reference, train.dtype=bf16
+  ref_fp32   model.moe.impl=reference, train.dtype=fp32: the yardstick of what bf16 rounding alone changes
+and compares the per-step lm loss. The verdict: "fast vs reference within bf16 noise: yes" when, over the last
+--window steps, mean |fast - ref_bf16| <= 2 * mean |ref_bf16 - ref_fp32| + 0.01 (in nats). With --compile the fast
+run also sets train.compile (the dense parts compiled: trainer/compile.py).
+Smoke mode runs all three in fp32 on CPU (bf16 is not what CPU runs) and reports the numbers without a verdict.
+
+Model: a small OLMoE-like MoE (d 512, 4 layers, 8 heads, 64 experts, top-8, expert FFN 256, vocab 4096), sequence
+1024, global batch 16, AdamW 1e-3 with 20 warm-up steps then cosine to 1e-4, on the built-in corpus (2.3M tokens at
+vocab 4096 = 2,271 sequences, tokenized into --data-cache before the first run; 200 steps read 1.4 epochs of it, in
+the same order for all three runs). 109M parameters, ~19M active per token. Output: loss_curve.json in --out (the
+three curves, per-run wall time and median tokens/s, the summary), written after every run, and a printed summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from moe_launch.conf.schema import (
+    ClusterConfig,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RootConfig,
+    TrainConfig,
+)
+from moe_launch.rundir import EXIT_OK, RunDir, read_jsonl
+
+RUNS = (  # name, model.moe.impl, train.dtype (smoke mode: fp32 for all)
+    ("fast", "fast", "bf16"),
+    ("ref_bf16", "reference", "bf16"),
+    ("ref_fp32", "reference", "fp32"),
+)
+NOISE_FACTOR, NOISE_FLOOR = 2.0, 0.01  # the verdict's threshold: 2 * bf16 noise + 0.01 nats
+
+
+def model_config(smoke: bool, impl: str) -> ModelConfig:
+    if smoke:
+        return ModelConfig(name="loss_curve_smoke", kind="moe", vocab_size=512, d_model=32, n_layers=2, n_heads=4,
+                           max_seq_len=32, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, impl=impl))
+    return ModelConfig(name="loss_curve", kind="moe", vocab_size=4096, d_model=512, n_layers=4, n_heads=8,
+                       max_seq_len=1024, moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=256, impl=impl))
+
+
+def train_config(smoke: bool, steps: int, dtype: str, compile_: bool) -> TrainConfig:
+    if smoke:
+        return TrainConfig(steps=steps, global_batch_size=4, micro_batch_size=4, seq_len=32, lr=3e-3, min_lr=3e-4,
+                           warmup_steps=2, dtype="fp32", ckpt_interval=0, progress=False, seed=1234)
+    return TrainConfig(steps=steps, global_batch_size=16, micro_batch_size=16, seq_len=1024, lr=1e-3, min_lr=1e-4,
+                       warmup_steps=min(20, steps // 5), schedule="cosine", dtype=dtype, ckpt_interval=0,
+                       progress=False, seed=1234, compile=compile_)
+
+
+def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, data_cache: str) -> RootConfig:
+    # workers: tokenization processes of the one-time data build
+    return RootConfig(model=model_config(smoke, impl), parallel=ParallelConfig(dp=1),
+                      train=train_config(smoke, steps, dtype, compile_),
+                      data=DataConfig(cache_dir=data_cache, workers=1 if smoke else 4),
+                      cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1))
+
+
+def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device) -> tuple[list[float], dict]:
+    """One Trainer run from scratch in `run_dir`: the per-step lm loss, and the run's wall seconds and median
+    tokens/s (steps past the first 5: compilation and warm-up excluded)."""
+    from moe_launch.trainer.loop import Trainer  # imported here: --prepare-only and --help need no trainer import
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, RunDir(run_dir), device=device)
+    if device.type == "cuda" and cfg.train.dtype == "fp32":
+        # the Trainer turns TF32 matmuls on for non-deterministic runs; the yardstick must be true fp32 (TF32 rounds
+        # the matmul inputs to 10-bit mantissas, which would inflate the "noise" the verdict is measured against)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    code = trainer.train()
+    del trainer
+    seconds = time.perf_counter() - t0
+    if code != EXIT_OK:
+        raise RuntimeError(f"trainer exited with code {code}; see {run_dir}/metrics.jsonl and faults/")
+    records = sorted(read_jsonl(RunDir(run_dir).metrics), key=lambda r: r["step"])
+    rates = sorted(float(r["tokens_per_s"]) for r in records[5:] if "tokens_per_s" in r)
+    stats = {"seconds": round(seconds, 1), "median_tokens_per_s": rates[len(rates) // 2] if rates else None}
+    return [float(r["lm_loss"]) for r in records], stats
+
+
+def _mean_abs(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b)) / max(1, min(len(a), len(b)))
+
+
+def _max_abs(a: list[float], b: list[float]) -> float:
+    return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+
+
+def summarize(curves: dict[str, list[float]], window: int, verdict: bool) -> dict:
+    """Pure: the comparison of the three curves over their last `window` steps (and max |diff| over all steps)."""
+    fast, ref, ref32 = curves["fast"], curves["ref_bf16"], curves["ref_fp32"]
+    n = min(len(fast), len(ref), len(ref32))
+    w = min(window, n)
+    fast_vs_ref = _mean_abs(fast[n - w:n], ref[n - w:n])
+    noise = _mean_abs(ref[n - w:n], ref32[n - w:n])
+    threshold = NOISE_FACTOR * noise + NOISE_FLOOR
+    out = {
+        "steps": n, "window": w,
+        "mean_abs_fast_vs_ref_bf16": fast_vs_ref,
+        "mean_abs_ref_bf16_vs_ref_fp32": noise,
+        "max_abs_fast_vs_ref_bf16": _max_abs(fast[:n], ref[:n]),
+        "max_abs_ref_bf16_vs_ref_fp32": _max_abs(ref[:n], ref32[:n]),
+        "final": {name: c[n - 1] for name, c in curves.items()},
+        "first": {name: c[0] for name, c in curves.items()},
+        "threshold": threshold,
+    }
+    if verdict:
+        out["within_bf16_noise"] = fast_vs_ref <= threshold
+        out["verdict"] = f"fast vs reference within bf16 noise: {'yes' if out['within_bf16_noise'] else 'no'}"
+    else:
+        out["verdict"] = "smoke run (fp32 on CPU for all three): no verdict"
+    return out
+
+
+def prepare_data(data_cache: str, smoke: bool) -> Path:
+    from moe_launch.trainer.data import resolve_dataset
+
+    cfg = root_config(smoke, 1, "reference", "fp32", False, data_cache)
+    return resolve_dataset(cfg.data, cfg.train.seq_len, cfg.model.vocab_size)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 200; smoke 5)")
+    ap.add_argument("--out", default="runs/loss_curve", help="directory for loss_curve.json and the run dirs")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run in fp32 that checks the script")
+    ap.add_argument("--window", type=int, default=100, help="compare the mean |diff| over the last N steps")
+    ap.add_argument("--compile", action="store_true", help="the fast run also sets train.compile=true")
+    ap.add_argument("--data-cache", default="~/.cache/moe-launch/data", help="data.cache_dir (built-in corpus)")
+    ap.add_argument("--prepare-only", action="store_true", help="tokenize the built-in corpus and exit")
+    args = ap.parse_args(argv)
+    steps = args.steps or (5 if args.smoke else 200)
+    if args.prepare_only:
+        print(f"dataset: {prepare_data(args.data_cache, args.smoke)}", flush=True)
+        return 0
+    if torch.cuda.is_available() and not args.smoke:
+        device = torch.device("cuda", torch.cuda.current_device())  # an explicit index, as the trainer's own
+    elif args.smoke:
+        device = torch.device("cpu")
+    else:
+        raise SystemExit("no GPU: the bf16 comparison needs one (use --smoke on CPU)")
+    out = Path(args.out).expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+    t0 = time.perf_counter()
+    print(f"[loss_curve] dataset {prepare_data(args.data_cache, args.smoke)} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
+    curves: dict[str, list[float]] = {}
+    stats: dict[str, dict] = {}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "steps": steps, "smoke": args.smoke, "compile_fast": args.compile,
+            "model": dataclasses.asdict(model_config(args.smoke, "fast")), "train": dataclasses.asdict(
+                train_config(args.smoke, steps, "bf16", args.compile)),
+            "runs": stats}
+    summary: dict = {}
+    for name, impl, dtype in RUNS:
+        cfg = root_config(args.smoke, steps, impl, "fp32" if args.smoke else dtype,
+                          args.compile and name == "fast", args.data_cache)
+        try:
+            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device)
+            print(f"[loss_curve] {name:9s} impl={impl:9s} dtype={cfg.train.dtype:4s} "
+                  f"compile={cfg.train.compile!s:5s} {stats[name]['seconds']:7.1f} s  "
+                  f"{stats[name]['median_tokens_per_s'] or 0:9.0f} tok/s  "
+                  f"loss {curves[name][0]:.4f} -> {curves[name][-1]:.4f}", flush=True)
+        except Exception as e:  # one failing run must not cost the others' curves
+            traceback.print_exc()
+            stats[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(curves) == len(RUNS):
+            summary = summarize(curves, args.window, verdict=not args.smoke)
+        _write(out, meta, summary, curves)  # after every run: a timeout keeps what was measured
+    if not summary:
+        print("[loss_curve] not all three runs finished: no summary (see the errors above)", flush=True)
+        return 1
+    print(json.dumps(summary, indent=2), flush=True)
+    print(summary["verdict"], flush=True)
+    return 0
+
+
+def _write(out: Path, meta: dict, summary: dict, curves: dict[str, list[float]]) -> None:
+    tmp = out / "loss_curve.json.tmp"
+    tmp.write_text(json.dumps({"meta": meta, "summary": summary, "curves": curves}, indent=2, default=str))
+    os.replace(tmp, out / "loss_curve.json")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
