@@ -122,6 +122,8 @@ class Trainer:
                               f"set parallel.microbatches={self.accum_steps}")
         self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
         self.stop_requested = False
+        self._prev_sync: Optional[float] = None  # perf_counter at the previous step's host sync (step timing)
+        self._slept = 0.0  # train.step_sleep_s since then: not training time
 
         torch.manual_seed(t.seed)  # every stage / rank draws the same init: a stage gets its slice of the PP=1 model
         self.pipeline: Optional[Pipeline] = None
@@ -338,6 +340,11 @@ class Trainer:
         shared[world + 1:] = local_BP
         self.comm.all_reduce_(shared)  # the one extra collective of the step
         flags = shared[: world + 1].tolist()  # the step's host sync
+        # step time = sync to sync: the GPU work queued after a sync (this step's update) ends before the next one,
+        # so in steady state the intervals add up to the wall clock (t0-based timing would miss the update)
+        t_sync = time.perf_counter()
+        dt = t_sync - (self._prev_sync if self._prev_sync is not None else t0) - self._slept
+        self._prev_sync, self._slept = t_sync, 0.0
         faulty = [r for r in range(world) if flags[r] > 0]
         if faulty:
             what = faults.local_fault(float(local_BP[0]), float(local_norm)) if self.rank in faulty else None
@@ -350,13 +357,13 @@ class Trainer:
         lr = lr_at(step, t)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        dt = time.perf_counter() - t0
 
         write_heartbeat(self.run_dir, self.rank, done, self.host)
         if sink is not None and (done % t.log_interval == 0 or done == t.steps):
             sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer))
         if t.step_sleep_s:
             time.sleep(t.step_sleep_s)
+            self._slept = t.step_sleep_s
         stop = flags[world] > 0
         saved = False
         if (t.ckpt_interval and done % t.ckpt_interval == 0) or stop:  # preemption always leaves a checkpoint
