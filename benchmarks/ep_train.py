@@ -152,7 +152,8 @@ def main_rank(args) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
     groups = build_groups(ParallelConfig(dp=1, ep=world))
-    results: dict = {"world": world, "bf16_params": args.bf16_params, "compile": args.compile, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    results: dict = {"world": world, "bf16_params": args.bf16_params, "compile": args.compile,
+                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "torch": torch.__version__, "batch": args.batch, "seq": args.seq, "train": [], "dispatch": []}
     for dispatcher in args.dispatchers:
         for strategy in args.strategies:

@@ -3,7 +3,8 @@
 metrics.jsonl fields per logged step: step (completed optimizer steps), loss, lm_loss, aux_loss, z_loss (the
 loss and its parts averaged over all data ranks; aux/z are the coefficient-weighted sums over layers), grad_norm
 (global, before clipping), lr, tokens_per_s (global tokens over the wall time between this step's host sync and the
-previous step's, so the previous update, logging and checkpoint writes count), expert_load_max / expert_load_mean (per MoE layer, the busiest expert's pair count over the mean count on rank 0's tokens: 1.0 is
+previous step's, so the previous update, logging and checkpoint writes count), expert_load_max / expert_load_mean
+(per MoE layer, the busiest expert's pair count over the mean count on rank 0's tokens: 1.0 is
 perfect balance; the max and the mean over layers), time (unix seconds), plus aux_per_layer / z_per_layer.
 """
 
