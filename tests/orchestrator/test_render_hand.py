@@ -23,7 +23,8 @@ def _render(tmp_path: Path, flag: str, name: str, extra=()) -> tuple[Path, str]:
     return tmp_path / "runs" / name, out.stdout
 
 
-def test_render_sbatch_writes_config_and_the_plans_script(tmp_path):
+@pytest.mark.slurm
+def test_render_sbatch_writes_config_and_the_plans_script(tmp_path, slurm_cluster):  # reads partitions with sinfo
     run_dir, printed = _render(tmp_path, "--render-sbatch", "hand")
     cfg = load_config(run_dir / "config.yaml")
     script = (run_dir / "sbatch" / "job.sbatch").read_text()

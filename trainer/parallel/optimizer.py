@@ -218,8 +218,8 @@ class ShardedAdamW:
 
     def local_grad_norm(self) -> torch.Tensor:
         """L2 norm of this rank's own (unreduced) gradients, as a device scalar (no host sync): non-finite iff some
-        local gradient is. When the reduction is the identity (one data rank, nothing sharded), the global norm
-        `grad_norm()` equals it and reuses it instead of reading the gradients again."""
+        local gradient is. When the reduction is the identity (one data rank, nothing sharded), `grad_norm()` reuses
+        its sum of squares (summed over pipeline stages) instead of reading the gradients again."""
         norms = [torch.linalg.vector_norm(b.flat_grads()[lo : lo + CHUNK], dtype=torch.float32)
                  for b in self.buckets for lo in range(0, b.padded, CHUNK)]
         device = self.buckets[0].grad_buffer.device if self.buckets else torch.device("cpu")
@@ -262,12 +262,13 @@ class ShardedAdamW:
         self._require_reduced()
         cached, self._local_sq = self._local_sq, None
         if cached is not None and self._reduction_is_identity():
-            return math.sqrt(cached.item())  # note: a host sync
-        device = self.buckets[0].grad.device if self.buckets else torch.device("cpu")
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32)
-                 for b in self.buckets if b.extra_axis.rank == 0 for _, g in self._grad_chunks(b)]
-        sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
-                                                                                   device=device)
+            sq = cached.clone()  # the reduced shards are the local buffers (pipeline stages still sum below)
+        else:
+            device = self.buckets[0].grad.device if self.buckets else torch.device("cpu")
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32)
+                     for b in self.buckets if b.extra_axis.rank == 0 for _, g in self._grad_chunks(b)]
+            sq = torch.stack(norms).double().square().sum() if norms else torch.zeros((), dtype=torch.float64,
+                                                                                       device=device)
         all_reduce_(sq, self.groups.world)
         return math.sqrt(sq.item())  # note: a host sync
 
