@@ -31,6 +31,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, OSError, OmegaConfBaseException) as e:
         print(f"[trainer] bad config {args.run_dir / 'config.yaml'}: {e}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    if "OMP_NUM_THREADS" not in os.environ and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        # srun --cpus-per-task gives the task that many CPUs; torch would otherwise start one thread per core of
+        # the node and the node's ranks would oversubscribe it
+        import torch
+
+        torch.set_num_threads(max(1, int(os.environ["SLURM_CPUS_PER_TASK"])))
     if cfg.train.deterministic:  # cuBLAS reads this when CUDA starts; it must precede any CUDA call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
