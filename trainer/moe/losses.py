@@ -9,8 +9,11 @@ import torch
 
 
 def expert_counts(idx_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(token, slot) pairs routed to each expert, int64 [E]."""
-    return torch.bincount(idx_TK.reshape(-1), minlength=num_experts)
+    """(token, slot) pairs routed to each expert, int64 [E]. A scatter-add into E counters rather than
+    torch.bincount, which reads the largest id back to the host (a sync in every MoE layer's forward); integer sums
+    are exact in any order, so this stays deterministic."""
+    flat = idx_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
