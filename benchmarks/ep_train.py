@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from moe_launch.trainer.compile import compile_model
+from moe_launch.trainer.loop import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers, make_dispatcher
 from moe_launch.trainer.parallel.groups import build_groups
@@ -67,10 +69,8 @@ def train_run(args, device, groups, strategy: str, dispatcher: str) -> dict:
     model = build_model(cfg, groups.ep_rank, groups.ep_size, device)
     attach_dispatchers(model, cfg, groups)
     if args.bf16_params:  # as train.param_dtype=bf16: parameters only (rotary buffers stay fp32)
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
+        cast_parameters(model, torch.bfloat16)
     if args.compile:
-        from moe_launch.trainer.compile import compile_model
         compile_model(model)
     pcfg = ParallelConfig(dp=1, ep=groups.ep_size, optimizer_sharding=strategy)
     opt = build_optimizer(model, TrainConfig(), pcfg, groups)

@@ -3,17 +3,7 @@
 #   bash benchmarks/run_issue11_gpu.sh step     train_step rows (GPU 0) + the real trainer at the OLMoE shapes
 #   bash benchmarks/run_issue11_gpu.sh ep       EP=2 over both GPUs (bf16 params, compiled), then the real trainer
 #                                               (GPU 0) beside the 200-step loss curve (GPU 1)
-# Needs the pure-Python deps the GPU image lacks (omegaconf, hydra, submitit) in .pydeps/ (carried).
-set -u
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/.pydeps:${PYTHONPATH:-}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
-run() {  # run NAME SECONDS CMD...
-  local name=$1 secs=$2; shift 2
-  echo "=== $name ($(date +%T))"
-  timeout -k 5 "$secs" "$@" >"$OUT/$name.log" 2>&1; echo "rc=$?" >>"$OUT/$name.log"
-}
+source "$(dirname "$0")/gpu_env.sh"
 case "${1:-step}" in
   step)
     CUDA_VISIBLE_DEVICES=0 run train_step 330 python3 benchmarks/train_step.py --out "$OUT" --profile --budget-s 300 \

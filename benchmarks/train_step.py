@@ -27,6 +27,8 @@ import torch
 
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
+from moe_launch.trainer.compile import compile_model
+from moe_launch.trainer.loop import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.parallel.groups import build_groups
@@ -72,28 +74,14 @@ def timed_steps(step_fn, device, warmup: int, iters: int) -> list[float]:
     return times
 
 
-def compile_dense_parts(model) -> str:
-    """The trainer's train.compile (trainer/compile.py) when present, else per-block attention + norms here."""
-    try:
-        from moe_launch.trainer.compile import compile_model
-    except ImportError:
-        for block in model.blocks:
-            block.attn_norm.compile(dynamic=False)
-            block.attn.compile(dynamic=False)
-            block.ffn_norm.compile(dynamic=False)
-        return "benchmark-local"
-    compile_model(model)
-    return "trainer.compile.compile_model"
-
-
 def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool, accum: int = 1, compiled: bool = False,
          profile_dir=None):
     torch.manual_seed(0)
     model = build_model(model_cfg, device=device)
-    if bf16_params:  # parameters only: the rotary buffers stay fp32; the fp32 master lives in the optimizer
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    compiled_by = compile_dense_parts(model) if compiled else None
+    if bf16_params:  # as train.param_dtype=bf16: parameters only; the fp32 master lives in the optimizer
+        cast_parameters(model, torch.bfloat16)
+    if compiled:  # as train.compile
+        compile_model(model)
     groups = build_groups(ParallelConfig())
     opt = build_optimizer(model, TrainConfig(), ParallelConfig(), groups)
     use_autocast = device.type == "cuda" and not bf16_params
@@ -117,7 +105,7 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool, accum: i
 
     times = timed_steps(step, device, warmup=2, iters=6 if device.type == "cuda" else 2)
     res = {"ms": 1e3 * sorted(times)[len(times) // 2], "loss": float(out["loss"]), "accum": accum,
-           "compiled_by": compiled_by}
+           "compiled": compiled}
     if device.type == "cuda":
         res["peak_gib_step"] = torch.cuda.max_memory_allocated() / 2**30
         res["optimizer_memory_gib"] = opt.optimizer_memory_bytes() / 2**30
