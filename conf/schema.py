@@ -32,7 +32,12 @@ class MoEConfig:
     top_k: int = 2
     expert_hidden: int = 256  # F: hidden size of each SwiGLU expert
     norm_topk_prob: bool = False  # OLMoE-1B-7B: False
-    aux_loss_coef: float = 1e-2  # Switch-style load balancing
+    # how routing is kept balanced: aux_loss (Switch-style loss, weighted by aux_loss_coef) | aux_free_bias (a
+    # per-expert bias learned from the load, added to the scores for selection only; no balancing loss) | sinkhorn
+    # (selection by Sinkhorn-normalised scores; no balancing loss). The unweighted aux loss is reported for all three.
+    balance: str = "aux_loss"
+    aux_loss_coef: float = 1e-2  # Switch-style load balancing (balance=aux_loss only)
+    bias_update_rate: float = 1e-3  # aux_free_bias: step of the bias towards the mean load after every optimizer step
     z_loss_coef: float = 1e-3  # router z-loss
     # auto (FastSparseMoE kernels for CUDA tensors, the torch reference elsewhere) | fast (kernels/) | reference
     impl: str = "auto"
@@ -52,6 +57,14 @@ class MoEConfig:
         _require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
         _one_of(self.impl, ("auto", "reference", "fast"), "model.moe.impl")
         _one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
+        _one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
+        _require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",
+                 "use a small positive step, e.g. 1e-3")
+
+    @property
+    def aux_loss_weight(self) -> float:
+        """What the aux loss is multiplied by in the training loss: the other balancers do without it."""
+        return self.aux_loss_coef if self.balance == "aux_loss" else 0.0
 
 
 @dataclass

@@ -40,6 +40,7 @@ from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
 from moe_launch.trainer.model import build_model
+from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
 from moe_launch.trainer.optim import clip_norm_at, lr_at
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
@@ -93,7 +94,7 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast the parameters only, in place (same Parameter objects: names, flags such as _moe_expert, and whatever
     holds a reference keep working). Buffers keep their dtype: the rotary cos/sin tables stay fp32."""
     for p in model.parameters():
-        if p.dtype != dtype:
+        if p.dtype != dtype and p.requires_grad:  # no-gradient state (the routers' expert bias) keeps its fp32
             p.data = p.data.to(dtype)
 
 
@@ -148,6 +149,7 @@ class Trainer:
         # optimizer takes its fp32 masters from them; a resume then overwrites the masters with the saved exact ones
         cast_parameters(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
+        self.balancer = BiasBalancer.of(self.model, cfg.model.moe.bias_update_rate, self.groups.dp_ep)
         if self.resume.path is not None:
             self._load_optimizer_and_rng(self.resume.path)
             self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
@@ -357,6 +359,8 @@ class Trainer:
         lr = lr_at(step, t)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
+        if self.balancer is not None:
+            self.balancer.update(self._stage_loads(per_layer))
 
         write_heartbeat(self.run_dir, self.rank, done, self.host)
         if sink is not None and (done % t.log_interval == 0 or done == t.steps):
@@ -379,6 +383,13 @@ class Trainer:
                 journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done, checkpoint=self.newest_slot)
             return EXIT_PREEMPTED
         return None
+
+    def _stage_loads(self, per_layer: list) -> list[torch.Tensor]:
+        """This step's expert load of each MoE layer held here (a pipeline reports every layer of the model)."""
+        loads = summed_counts(per_layer, len(per_layer[0].counts_per_layer))
+        if self.pipeline is not None:
+            loads = [loads[i] for c in self.pipeline.model.chunks for i in self.pipeline.chunk_ranges[c]]
+        return loads
 
     def _crash(self) -> None:
         raise faults.InjectedCrash(f"injected crash on rank {self.rank} at step {self.cfg.train.fault_injection.step}")

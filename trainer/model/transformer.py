@@ -92,7 +92,7 @@ class Transformer(nn.Module):
         h_BSD, stats = self.hidden_with_stats(inputs_BS)
         lm_loss = chunked_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten())
         zero = lm_loss.new_zeros(())
-        aux = torch.stack([s.aux_loss for s in stats]).sum() * self.cfg.moe.aux_loss_coef if stats else zero
+        aux = torch.stack([s.aux_loss for s in stats]).sum() * self.cfg.moe.aux_loss_weight if stats else zero
         z = torch.stack([s.z_loss for s in stats]).sum() * self.cfg.moe.z_loss_coef if stats else zero
         parts = LossParts(
             lm_loss=lm_loss.detach(), aux_loss=aux.detach(), z_loss=z.detach(),

@@ -1,20 +1,32 @@
-"""Token-choice top-k router: linear -> softmax in fp32 -> top-k, optionally renormalised.
+"""Token-choice top-k router: linear -> softmax in fp32 -> expert selection -> combine weights.
 
 Shapes: T tokens, D model dim, E global experts, K top-k.
-Forced uniform routing (model.moe.uniform_routing) replaces the top-k choice by a fixed round-robin assignment in
-which every expert receives exactly T*K/E (token, slot) pairs; the weights still come from the router's
-probabilities so gradients keep flowing. It exists to benchmark kernels and dispatchers without load imbalance.
+Selection and combine weights are separate on purpose: `model.moe.balance` may change WHICH experts a token goes to
+(a learned per-expert bias, or Sinkhorn-normalised scores), but the combine weights are always the router's own
+softmax probabilities at the chosen experts, so gradients reach the router exactly as they would for that choice.
+  aux_loss       top-k of the probabilities (balance comes from the aux loss the model adds)
+  aux_free_bias  top-k of probabilities + expert_bias_E; the bias is moved towards the mean load after every
+                 optimizer step (trainer/moe/balance.py), never by a gradient
+  sinkhorn       top-k of the Sinkhorn-normalised scores: every expert gets an equal share of the probability mass
+Forced uniform routing (model.moe.uniform_routing) replaces the selection by a fixed round-robin assignment in which
+every expert receives exactly T*K/E (token, slot) pairs. It exists to benchmark kernels and dispatchers without load
+imbalance.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe_launch.conf.schema import MoEConfig
+
+# Sinkhorn rounds per forward: a fixed count keeps the router free of host syncs (a tolerance test would read a
+# value back every round); the column sums are within a few percent of equal after this many on skewed inputs
+SINKHORN_ROUNDS = 8
 
 
 @dataclass
@@ -30,23 +42,60 @@ def uniform_assignment(T: int, K: int, E: int, device: torch.device) -> torch.Te
     return (torch.arange(T, device=device).unsqueeze(1) * K + torch.arange(K, device=device)) % E
 
 
+@torch.no_grad()
+def sinkhorn_log_scores(logits_TE: torch.Tensor, rounds: int = SINKHORN_ROUNDS) -> torch.Tensor:
+    """log of the doubly-normalised exp(logits): alternately make every expert's column hold 1/E of the mass and
+    every token's row sum to 1 (log space: no overflow for large logits). Monotone per token in neither the logits
+    nor the probabilities, which is the point: a token may go to a less preferred but less loaded expert."""
+    log_TE = logits_TE.float()
+    for _ in range(rounds):
+        log_TE = log_TE - log_TE.logsumexp(dim=0, keepdim=True)
+        log_TE = log_TE - log_TE.logsumexp(dim=1, keepdim=True)
+    return log_TE
+
+
+Select = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (logits_TE, probs_TE, K) -> idx_TK
+
+
+def select_topk(logits_TE: torch.Tensor, probs_TE: torch.Tensor, K: int) -> torch.Tensor:
+    return probs_TE.topk(K, dim=-1).indices
+
+
+def select_sinkhorn(logits_TE: torch.Tensor, probs_TE: torch.Tensor, K: int) -> torch.Tensor:
+    return sinkhorn_log_scores(logits_TE).topk(K, dim=-1).indices
+
+
+def select_uniform(logits_TE: torch.Tensor, probs_TE: torch.Tensor, K: int) -> torch.Tensor:
+    return uniform_assignment(probs_TE.shape[0], K, probs_TE.shape[1], probs_TE.device)
+
+
 class Router(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-        self.norm_topk_prob, self.uniform = cfg.norm_topk_prob, cfg.uniform_routing
+        self.norm_topk_prob, self.balance = cfg.norm_topk_prob, cfg.balance
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
+        self.expert_bias_E: Optional[nn.Parameter] = None
+        if cfg.balance == "aux_free_bias":
+            # a Parameter without gradient rather than a buffer: checkpoints, model-only restarts and the DP/EP
+            # broadcast carry parameters, and the optimizer skips it (requires_grad=False). Kept fp32 (see
+            # trainer.loop.cast_parameters): its steps are far below bf16's resolution at its magnitude
+            self.expert_bias_E = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        self.select: Select = {"aux_loss": select_topk, "aux_free_bias": self._select_biased,
+                               "sinkhorn": select_sinkhorn}[cfg.balance]
+        if cfg.uniform_routing:
+            self.select = select_uniform
+
+    def _select_biased(self, logits_TE: torch.Tensor, probs_TE: torch.Tensor, K: int) -> torch.Tensor:
+        return (probs_TE.detach() + self.expert_bias_E.float()).topk(K, dim=-1).indices
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         # fp32 logits even under bf16 autocast: the softmax and the z-loss are sensitive to rounding
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             logits_TE = F.linear(x_TD.float(), self.weight.float())
         probs_TE = logits_TE.softmax(dim=-1)
-        if self.uniform:
-            idx_TK = uniform_assignment(x_TD.shape[0], self.top_k, self.num_experts, x_TD.device)
-            w_TK = probs_TE.gather(1, idx_TK)
-        else:
-            w_TK, idx_TK = probs_TE.topk(self.top_k, dim=-1)
+        idx_TK = self.select(logits_TE.detach(), probs_TE, self.top_k)
+        w_TK = probs_TE.gather(1, idx_TK)
         if self.norm_topk_prob:
             w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
         return Routing(idx_TK=idx_TK, w_TK=w_TK, logits_TE=logits_TE, probs_TE=probs_TE)

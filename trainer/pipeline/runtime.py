@@ -124,7 +124,7 @@ class _StepState:
         self.act_shape = (B, S1 - 1, pipe.model_cfg.d_model)
         self.autocast_dtype = autocast_dtype
         cfg = pipe.model_cfg
-        self.aux_coef, self.z_coef = cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef
+        self.aux_coef, self.z_coef = cfg.moe.aux_loss_weight, cfg.moe.z_loss_coef
         L, E = cfg.n_layers, cfg.moe.num_experts
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=self.device)  # noqa: E731
         self.sums = _Sums(zeros(()), zeros(()), zeros(()), zeros(L), zeros(L), zeros(L, E))
