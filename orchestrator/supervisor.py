@@ -41,6 +41,7 @@ from moe_launch.orchestrator.events import (
 )
 from moe_launch.orchestrator.local_cluster import LocalCluster
 from moe_launch.orchestrator.plan import trainer_argv
+from moe_launch.orchestrator.recovery import resume_details
 from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
@@ -100,6 +101,7 @@ class Supervisor:
         self.checked: queue.Queue[SuspectChecked] = queue.Queue()  # results of background re-checks
         self.lost_seen: set[str] = set()
         self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
+        self.failed_at: Optional[float] = None  # that failure's last sign of progress: the last heartbeat
         self.stop_seen = False
         self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
         self.state: SupervisorState
@@ -145,6 +147,7 @@ class Supervisor:
     def act(self, action: Action, ev: Event) -> None:
         if action.kind in ("launch", "relaunch"):
             self.failure_t = time.time() if action.kind == "relaunch" else None
+            self.failed_at = self.watcher.last_beat  # before _launch starts watching the new attempt
             self._end_step(graceful=False)
             self._launch()
             if action.recheck:  # in the background: the new attempt must be watched meanwhile
@@ -209,7 +212,8 @@ class Supervisor:
         if beat is None or self.failure_t is None:
             return
         journal_event(self.rd, "resume", self.state.active, attempt=self.state.attempt, step=beat.get("step"),
-                      seconds_since_failure=round(beat["time"] - self.failure_t, 3))
+                      **resume_details(self.rd.heartbeat, self.state.attempt, self.failed_at, self.failure_t,
+                                       beat["time"]))
         self.failure_t = None
 
     def preflight(self, nodes: tuple[str, ...]) -> PreflightDone:

@@ -50,6 +50,7 @@ from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
+from moe_launch.trainer.start_phases import StartPhases
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
@@ -122,6 +123,7 @@ class Trainer:
                               "micro-batches of train.micro_batch_size per step",
                               f"set parallel.microbatches={self.accum_steps}")
         self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
+        self.phases = StartPhases(attempt, compiled=t.compile)  # for the supervisor's recovery breakdown
         self.stop_requested = False
         self._prev_sync: Optional[float] = None  # perf_counter at the previous step's host sync (step timing)
         self._slept = 0.0  # train.step_sleep_s since then: not training time
@@ -142,6 +144,7 @@ class Trainer:
             # the MoE layers stay eager. Tracing happens at the first forward, so in the parameters' final dtype
             compile_model(self.model)
         self.loader = self._open_data()
+        self.phases.mark("restore_start")
         self.resume = self._choose_resume()
         self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model sets the resumed slot's
         self.start_step = self._load_model()
@@ -155,6 +158,7 @@ class Trainer:
             self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
         self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
         self.last_ckpt_step = self.start_step
+        self.phases.mark("restore_end")
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def _open_data(self):
@@ -333,6 +337,8 @@ class Trainer:
         if self.injection in ("hang", "crash", "sigkill") and done == t.fault_injection.step:
             {"hang": faults.hang_forever, "sigkill": faults.sigkill_self}.get(self.injection, self._crash)()
         local_BP, per_layer = self._forward_backward(step, done)
+        if self.phases.pending:
+            self.phases.first_backward_done(self.run_dir, write=self.rank == 0)
         # this rank's fault flag stays on the device: one all-reduce and one host read decide for every rank
         local_norm = self.optimizer.local_grad_norm()  # over the flat gradient buffers; reused as the global norm
         world = self.groups.world_size

@@ -210,7 +210,8 @@ def report(fault: str, t_fault: float, records: list[dict[str, Any]], note: str 
     (supervisor's resume record), else the trainer's checkpoint load (a new allocation)."""
     sup, tr = resumed_after(records, t_fault)
     dt = (sup or tr)["time"] - t_fault
-    seen = f"; supervisor: {sup['details']['seconds_since_failure']:.1f} s after it saw the failure" if sup else ""
+    seen = (f"; supervisor: {sup['details']['seconds_since_failure']:.1f} s from the last heartbeat, "
+            f"{sup['details'].get('breakdown')}") if sup else ""
     print(f"\n[fault {fault}] training resumed {dt:.1f} s after the fault (from step {tr['details']['step']}"
           f"{seen}){note}")
     return dt
