@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moe_launch.conf.schema import ClusterConfig
+from moe_launch.orchestrator.local_gpus import preflight_waves, visible_gpus
 
 
 @dataclass
@@ -141,14 +142,18 @@ def run_per_node(nodes: list[str], argv: list[str], cluster: ClusterConfig, time
                  env: Optional[dict[str, str]] = None) -> dict[str, TaskOutcome]:
     """One task per node, all nodes in parallel, each in its own srun (a dead node fails only its own task)."""
     env = dict(env or {})
-    procs: dict[str, _Task] = {}
-    for node in nodes:
-        if cluster.kind == "slurm":
-            prefix = srun_argv(cluster, [node], 1, timeout_s, in_allocation())
-            procs[node] = _start(prefix + argv, env)
-        else:
-            procs[node] = _start(argv, {**env, "MOE_LAUNCH_NODE": node, "OMP_NUM_THREADS": "1"})
-    return _collect(procs, timeout_s)
+    if cluster.kind == "slurm":
+        procs = {node: _start(srun_argv(cluster, [node], 1, timeout_s, in_allocation()) + argv, env) for node in nodes}
+        return _collect(procs, timeout_s)
+    # local "nodes" share this machine's GPUs: nodes that share one are checked one after another
+    out: dict[str, TaskOutcome] = {}
+    for wave in preflight_waves(nodes, visible_gpus(), cluster.tasks_per_node):
+        procs = {}
+        for node, devices in wave.items():
+            gpu_env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
+            procs[node] = _start(argv, {**env, **gpu_env, "MOE_LAUNCH_NODE": node, "OMP_NUM_THREADS": "1"})
+        out.update(_collect(procs, timeout_s))
+    return out
 
 
 def run_ranks(nodes: list[str], tasks_per_node: int, argv: list[str], cluster: ClusterConfig, timeout_s: float,

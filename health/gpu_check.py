@@ -83,7 +83,7 @@ def memory_fill(device: torch.device, fraction: float = 0.85) -> tuple[float, li
 
 
 def compute_check(device: torch.device, size: int = 0, iters: int = 10,
-                  dtype: torch.dtype = torch.bfloat16) -> ComputeOutcome:
+                  dtype: torch.dtype = torch.bfloat16, mem_fraction: float = 0.85) -> ComputeOutcome:
     size = size or (GPU_SIZE if device.type == "cuda" else CPU_SIZE)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     a_MK, b_KN = known_operands(size, device, dtype)
@@ -104,7 +104,7 @@ def compute_check(device: torch.device, size: int = 0, iters: int = 10,
     del a_MK, b_KN, c_MN
     mem_gib = 0.0
     if device.type == "cuda":
-        mem_gib, mem_reasons = memory_fill(device)
+        mem_gib, mem_reasons = memory_fill(device, mem_fraction)
         reasons += mem_reasons
     return ComputeOutcome(str(device), name, str(dtype).replace("torch.", ""), size, tflops, max_rel, checksum_rel,
                           mem_gib, reasons)

@@ -28,11 +28,11 @@ def health_from_json(text: str) -> HealthConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(HealthConfig), json.loads(text)))
 
 
-def compute_results(node: str) -> list[CheckResult]:
+def compute_results(node: str, mem_fraction: float = 0.85) -> list[CheckResult]:
     results = []
     for device in local_devices():
         try:
-            outcome = compute_check(device)
+            outcome = compute_check(device, mem_fraction=mem_fraction)
         except Exception as e:  # a device that cannot even run a GEMM is the finding, not a crash of the check
             results.append(CheckResult(node, CHECK_COMPUTE, "fail", reasons=[f"{device}: {type(e).__name__}: {e}"],
                                        details={"device": str(device)}))
@@ -46,6 +46,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description="moe-health per-node checks (DCGM + compute)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--health-json", default="{}")
+    p.add_argument("--mem-fraction", type=float, default=0.85, help="share of the GPU's free memory to fill and read")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     cfg = health_from_json(a.health_json)
@@ -54,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.dcgm.enabled:
         results.append(run_dcgm(node, cfg.dcgm, a.out / "raw"))
     if cfg.gpu_check:
-        results += compute_results(node)
+        results += compute_results(node, a.mem_fraction)
     write_json_atomic(a.out / f"{node}.node.json", [r.to_dict() for r in results])
     return 0
 

@@ -73,6 +73,11 @@ class A2ARun:
         return f"all-to-all over {len(self.nodes)} nodes did not run ({why}): {self.outcome.tail(300)}"
 
 
+# share of a GPU's free memory the compute check fills: a Slurm node is ours alone during preflight; a local machine's
+# GPUs are shared with the running attempt's trainer while suspects are re-checked in the background
+_MEM_FILL = {"slurm": 0.85, "local": 0.25}
+
+
 def _next_attempt_dir(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     n = 1 + max([int(p.name.split("-")[-1]) for p in out_dir.glob("preflight-[0-9][0-9][0-9]")] or [0])
@@ -89,7 +94,7 @@ def node_checks(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, wor
     """Step 2: run node_check on every node in parallel and read back what each wrote."""
     ndir = work / "nodes"
     argv = [python_exe(cluster), "-m", "moe_launch.health.node_check", "--out", str(ndir),
-            "--health-json", _health_json(cfg)]
+            "--health-json", _health_json(cfg), "--mem-fraction", str(_MEM_FILL[cluster.kind])]
     timeout = (cfg.dcgm.timeout_s if cfg.dcgm.enabled else 0) + 300
     outcomes = run_per_node(nodes, argv, cluster, timeout)
     results = []

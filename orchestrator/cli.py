@@ -103,7 +103,7 @@ def run_app(cfg_node) -> int:
     sweep = hc.mode == RunMode.MULTIRUN
     code = 2
     try:
-        code = _run_app(cfg_node, run_dir, sweep)
+        code = _run_app(cfg_node, run_dir, sweep, list(hc.overrides.task))
         return code
     finally:
         _discard_if_empty(run_dir)
@@ -113,16 +113,21 @@ def run_app(cfg_node) -> int:
             record_job(run_dir, list(hc.overrides.task), code)
 
 
-def _run_app(cfg_node, run_dir: Path, sweep: bool = False) -> int:
+def _run_app(cfg_node, run_dir: Path, sweep: bool = False, overrides: tuple[str, ...] = ()) -> int:
     from omegaconf import OmegaConf
 
     from moe_launch.conf.load import dump_config
-    from moe_launch.orchestrator import login
+    from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
     from moe_launch.rundir import RunDir, journal_event
 
     try:
         cfg = OmegaConf.to_object(cfg_node)
+        if cfg.cluster.kind == "local":
+            cfg, note = local_gpus.fit_layout(cfg, len(local_gpus.visible_gpus()),
+                                              local_gpus.layout_overridden(overrides))
+            if note:
+                print(f"moe-launch: {note}", file=sys.stderr)
     except ConfigError as e:
         return _fail(f"bad configuration: {e}")
     cfg.run.name = run_dir.name  # the directory is the run's name (multirun jobs get numbered directories)

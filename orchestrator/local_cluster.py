@@ -3,7 +3,8 @@
 Each node runs cluster.tasks_per_node trainer processes with MOE_LAUNCH_NODE=<node>, RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR=127.0.0.1 and MASTER_PORT, in its own process group. Failing a node = killing its processes: the step
 then reports that node dead, exactly like a Slurm node failure, so the same supervisor and decide() run unchanged.
-Like `srun --kill-on-bad-exit=1`, the first bad exit ends the other tasks.
+Like `srun --kill-on-bad-exit=1`, the first bad exit ends the other tasks. On a machine with GPUs each node of a step
+sees its own GPUs through CUDA_VISIBLE_DEVICES (local_gpus.py), as a Slurm node sees only its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from moe_launch.orchestrator.backend import StepResult
+from moe_launch.orchestrator.local_gpus import step_devices, visible_gpus
 
 # SLURM_* variables of an enclosing job must not make the trainer think srun launched it
 _DROP_ENV_PREFIXES = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_")
@@ -23,7 +25,7 @@ _DROP_ENV_PREFIXES = ("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_")
 
 class LocalStep:
     def __init__(self, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
-                 tasks_per_node: int, log_dir: Path):
+                 tasks_per_node: int, log_dir: Path, gpus: tuple[str, ...] = ()):
         self.nodes, self.attempt = nodes, attempt
         world = len(nodes) * tasks_per_node
         base = {k: v for k, v in os.environ.items() if not k.startswith(_DROP_ENV_PREFIXES)}
@@ -35,11 +37,14 @@ class LocalStep:
         self.procs: list[tuple[str, int, subprocess.Popen]] = []
         self.killed_by_us: set[int] = set()
         self.first_bad: Optional[tuple[str, int]] = None  # (node, returncode) of the first bad exit
+        devices = step_devices(nodes, gpus, tasks_per_node)
         for i, node in enumerate(nodes):
             for local in range(tasks_per_node):
                 rank = i * tasks_per_node + local
                 penv = {**base, "MOE_LAUNCH_NODE": node, "RANK": str(rank), "WORLD_SIZE": str(world),
                         "LOCAL_RANK": str(local)}
+                if devices:
+                    penv["CUDA_VISIBLE_DEVICES"] = devices[node]
                 with open(log_dir / f"{node}-rank{rank}.log", "ab") as log:
                     proc = subprocess.Popen(argv, env=penv, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
@@ -98,8 +103,9 @@ class LocalStep:
 class LocalCluster:
     kind = "local"
 
-    def __init__(self, nodes: tuple[str, ...], tasks_per_node: int):
+    def __init__(self, nodes: tuple[str, ...], tasks_per_node: int, gpus: Optional[tuple[str, ...]] = None):
         self.nodes, self.tasks_per_node = nodes, tasks_per_node
+        self.gpus = visible_gpus() if gpus is None else gpus
 
     def allocation(self) -> tuple[str, ...]:
         return self.nodes
@@ -109,7 +115,8 @@ class LocalCluster:
 
     def launch(self, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
                log_dir: Path) -> LocalStep:
-        return LocalStep(nodes, attempt, argv, {**env, "MASTER_ADDR": "127.0.0.1"}, self.tasks_per_node, log_dir)
+        return LocalStep(nodes, attempt, argv, {**env, "MASTER_ADDR": "127.0.0.1"}, self.tasks_per_node, log_dir,
+                         self.gpus)
 
     def master_addr(self, nodes: tuple[str, ...]) -> str:
         return "127.0.0.1"
