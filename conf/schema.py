@@ -197,10 +197,12 @@ class TrainConfig:
     log_interval: int = 1
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
     compile: bool = False
-    tensorboard: bool = False
-    trackio: bool = False  # mirror the TensorBoard scalars to trackio (needs the trackio package)
-    peak_flops: float = 0.0  # peak FLOP/s of ONE device for MFU (0: no MFU); keep real values in conf/cluster/*.yaml
-    progress: bool = True
+    # tracking backends fed from metrics.jsonl (trainer/tracking/tracker.py): tensorboard (skipped with a warning when
+    # not installed) and/or wandb (WANDB_MODE=offline for local files only); [] for none
+    tracking: list[str] = field(default_factory=lambda: ["tensorboard"])
+    # peak FLOP/s of ONE device for the `mfu` metric; 0: the data-sheet bf16 peak of a known GPU (none on CPU)
+    peak_flops: float = 0.0
+    progress: bool = True  # rich's progress bar on rank 0 when stdout is a terminal (log lines are always written)
     step_sleep_s: float = 0.0  # slows the demo/tests down so faults can be injected mid-run
     fault_injection: FaultInjection = field(default_factory=FaultInjection)
 
@@ -229,6 +231,9 @@ class TrainConfig:
         for i, item in enumerate(self.recompute):
             _one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
         _require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")
+        for i, item in enumerate(self.tracking):
+            _one_of(item, ("tensorboard", "wandb"), f"train.tracking[{i}]")
+        _require(self.peak_flops >= 0, "train.peak_flops", "is negative", "use 0 (data-sheet peak) or FLOP/s")
 
 
 @dataclass

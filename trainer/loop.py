@@ -19,6 +19,7 @@ COMPLETED steps (`done` = step + 1). The process group must exist before a Train
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import threading
@@ -38,7 +39,14 @@ from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, 
 from moe_launch.trainer.compile import compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
-from moe_launch.trainer.metrics import MetricsSink, load_summary, write_heartbeat
+from moe_launch.trainer.metrics import (
+    MetricsSink,
+    PerfRefs,
+    load_summary,
+    memory_gib,
+    preflight_gemm_rate,
+    write_heartbeat,
+)
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
 from moe_launch.trainer.optim import clip_norm_at, lr_at
@@ -51,6 +59,10 @@ from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
 from moe_launch.trainer.start_phases import StartPhases
+from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
+from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
+
+log = logging.getLogger(LOGGER)
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
@@ -107,6 +119,7 @@ class Trainer:
         self.comm = Comm(device)
         self.rank, self.host = self.groups.world_rank, node_name()
         self.hosts: list[str] = self.comm.all_gather_object(self.host)
+        install_rank_logging(self.rank, self.host)
         self.coords = Coords(rank=self.rank, dp_rank=self.groups.dp_rank, ep_rank=self.groups.ep_rank,
                              ep_size=self.groups.ep_size, optimizer_sharding=p.optimizer_sharding,
                              is_moe=cfg.model.kind == "moe", dp_size=self.groups.dp_size)
@@ -127,6 +140,7 @@ class Trainer:
         self.stop_requested = False
         self._prev_sync: Optional[float] = None  # perf_counter at the previous step's host sync (step timing)
         self._slept = 0.0  # train.step_sleep_s since then: not training time
+        self._perf: Optional[PerfRefs] = None
 
         torch.manual_seed(t.seed)  # every stage / rank draws the same init: a stage gets its slice of the PP=1 model
         self.pipeline: Optional[Pipeline] = None
@@ -276,13 +290,12 @@ class Trainer:
                 previous[sig] = signal.signal(sig, self._request_stop)
         sink = None
         if self.rank == 0:
-            print(f"[trainer] {self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size} "
+            log.info(f"{self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size} "
                   f"pp={self.groups.pp_size}), "
                   f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
                   f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, compute {self.dtype}, "
-                  f"parameters {self.param_dtype}",
-                  flush=True)
-            sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tensorboard, t.progress)
+                     f"parameters {self.param_dtype}")
+            sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tracking, t.progress, config=asdict(self.cfg))
         try:
             for step in range(self.start_step, t.steps):
                 code = self._step(step, sink)
@@ -369,8 +382,10 @@ class Trainer:
             self.balancer.update(self._stage_loads(per_layer))
 
         write_heartbeat(self.run_dir, self.rank, done, self.host)
-        if sink is not None and (done % t.log_interval == 0 or done == t.steps):
-            sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer))
+        if done % t.log_interval == 0 or done == t.steps:  # every rank: the expert counts are all-reduced
+            counts_LE = self._global_counts(per_layer)
+            if sink is not None:
+                sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer, counts_LE))
         if t.step_sleep_s:
             time.sleep(t.step_sleep_s)
             self._slept = t.step_sleep_s
@@ -400,20 +415,44 @@ class Trainer:
     def _crash(self) -> None:
         raise faults.InjectedCrash(f"injected crash on rank {self.rank} at step {self.cfg.train.fault_injection.step}")
 
-    def _record(self, done: int, mean_P: torch.Tensor, grad_norm: float, lr: float, dt: float, per_layer: list) -> dict:
+    def _global_counts(self, per_layer: list) -> Optional[torch.Tensor]:
+        """[L, E] expert counts of this stage's MoE layers over every data rank's micro-batches of the step (one
+        small all-reduce on log steps only). None for a dense model."""
+        n_layers = len(per_layer[0].counts_per_layer)
+        if n_layers == 0:
+            return None
+        counts_LE = torch.stack(summed_counts(per_layer, n_layers))
+        if self.groups.data_size > 1:  # a size-1 group has no handle, and None would mean the world
+            Comm(self.device, self.groups.dp_ep_group).all_reduce_(counts_LE)
+        return counts_LE
+
+    def _perf_refs(self) -> PerfRefs:
+        """Built on the first logged step: the preflight ran before the launch, the device name needs CUDA up."""
+        if self._perf is None:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+            self._perf = PerfRefs(flops_per_token(self.cfg.model, self.cfg.train.seq_len), self.groups.world_size,
+                                  spec_peak(name, self.cfg.train.peak_flops),
+                                  preflight_gemm_rate(self.run_dir, self.hosts))
+        return self._perf
+
+    def _record(self, done: int, mean_P: torch.Tensor, grad_norm: float, lr: float, dt: float, per_layer: list,
+                counts_LE: Optional[torch.Tensor]) -> dict:
         t = self.cfg.train
         loss, lm, aux, z = (float(v) for v in mean_P)
         n_layers = len(per_layer[0].aux_per_layer)
-        counts = [sum(p.counts_per_layer[i] for p in per_layer) for i in range(n_layers)]
-        load_max, load_mean = load_summary(counts)
+        load_max, load_mean = load_summary(list(counts_LE) if counts_LE is not None else [])
+        tokens_per_s = t.global_batch_size * t.seq_len / dt
+        mfu, mfu_gemm = self._perf_refs().mfu(tokens_per_s)
+
         def layer_mean(key: str) -> list[float]:
             return [float(sum(getattr(p, key)[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)]
 
         return {
             "step": done, "loss": loss, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": grad_norm,
-            "lr": lr, "tokens_per_s": t.global_batch_size * t.seq_len / dt, "expert_load_max": load_max,
-            "expert_load_mean": load_mean, "time": time.time(),
-            "aux_per_layer": layer_mean("aux_per_layer"), "z_per_layer": layer_mean("z_per_layer"),
+            "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "mfu_gemm": mfu_gemm,
+            "expert_load_max": load_max, "expert_load_mean": load_mean, "mem_gib": memory_gib(self.device),
+            "time": time.time(), "aux_per_layer": layer_mean("aux_per_layer"), "z_per_layer": layer_mean("z_per_layer"),
+            "expert_counts": counts_LE.tolist() if counts_LE is not None else None,
         }
 
     def _fault(self, done: int, faulty: list[int], what: Optional[str]) -> int:

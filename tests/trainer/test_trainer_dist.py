@@ -25,6 +25,9 @@ def test_dp2_matches_dp1_with_the_same_global_batch(tmp_path, data_cache):
     for a, b in zip(m1, m2):
         for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * max(1.0, abs(a[key])), (key, a, b)
+        # expert load counts every data rank's tokens: the same global batch routes the same (token, slot) pairs
+        assert a["expert_counts"] == b["expert_counts"], (a["expert_counts"], b["expert_counts"])
+    assert "[node0 r0] step 4/4 | loss" in procs[0].stdout  # the plain log line, with the rank/node prefix
     # the checkpoint is written scattered: each rank its own RNG file; the model (shard m = 1 at EP=1) by DP index
     # 1 mod 2 = rank 1 (DP-scattered writes), the trainer state by rank 0
     manifest = read_manifest(choose_resume_slot(two.checkpoints).path)

@@ -16,7 +16,7 @@ CONTRACT = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "lr", 
 
 
 def test_metrics_heartbeat_tensorboard_and_journal(tmp_path, data_cache):
-    cfg = tiny_cfg(data_cache, steps=3, ckpt_interval=2, tensorboard=True, progress=True)
+    cfg = tiny_cfg(data_cache, steps=3, ckpt_interval=2, tracking=["tensorboard"], progress=True)
     rd = write_run(tmp_path / "run", cfg)
     assert Trainer(cfg, rd).train() == EXIT_OK
     metrics = read_jsonl(rd.metrics)

@@ -1,8 +1,9 @@
-"""Experiment tracking on rank 0: TensorBoard (and trackio when it is importable) fed from the step metrics dicts.
+"""Experiment tracking on rank 0: TensorBoard (on by default) and W&B, fed from the step metrics records.
 
   scalars.py  metrics dict -> named scalars and histograms (pure)
-  flops.py    model FLOPs per token and MFU (pure)
-  tracker.py  Tracker(run_dir, enabled).log(step, metrics): the writers
+  flops.py    model FLOPs per token, MFU, a device's peak FLOP/s (data sheet, preflight-measured GEMM) (pure)
+  steplog.py  the plain step log line (Python logging, rank/node prefix)
+  tracker.py  Tracker(run_dir, backends).log(step, metrics): the writers
 """
 
 from moe_launch.trainer.tracking.tracker import Tracker

@@ -7,9 +7,20 @@ per token; embeddings are a lookup and not counted, the output head is.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import ModelConfig
+
+# Dense bf16 tensor-core peak FLOP/s of one device, from the vendors' data sheets (no sparsity). A device fact, not a
+# cluster fact; train.peak_flops overrides it (another dtype, a clock-limited part). First match of the name wins.
+SPEC_PEAK_BF16 = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("B200", 2250e12),
+)
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:
@@ -32,3 +43,20 @@ def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: Optional[float]) 
     if not peak_flops or peak_flops <= 0:
         return None
     return tokens_per_s * flops_per_tok / peak_flops
+
+
+def spec_peak(device_name: str, override: float = 0.0) -> Optional[float]:
+    """Peak FLOP/s of one device: `override` (train.peak_flops) when set, else the data-sheet value, else None."""
+    if override > 0:
+        return override
+    return next((peak for key, peak in SPEC_PEAK_BF16 if key in device_name), None)
+
+
+def measured_gemm_rate(preflight: dict[str, Any], hosts: Iterable[str]) -> Optional[float]:
+    """Mean GEMM FLOP/s of one device over the passing compute checks of `hosts` in a preflight.json (the node's
+    own rate: what MFU against the hardware actually delivered means). None when no such check ran."""
+    hosts = set(hosts)
+    rates = [float(r["value"]) * 1e12 for r in preflight.get("results", [])
+             if r.get("check") == "compute" and r.get("status") == "pass" and r.get("node") in hosts
+             and isinstance(r.get("value"), (int, float)) and r["value"] > 0]
+    return sum(rates) / len(rates) if rates else None

@@ -1,9 +1,9 @@
 """Turn one metrics.jsonl record into TensorBoard tags. Pure, so what is logged is unit-testable.
 
-Input keys (trainer/metrics.py, plus the ones marked *requested*, which the trainer may add):
+Input keys (the metrics.jsonl record, trainer/metrics.py):
   loss, lm_loss, aux_loss, z_loss, grad_norm, lr, tokens_per_s, expert_load_max, expert_load_mean,
-  aux_per_layer [L], z_per_layer [L], mfu *requested*, step_time_s *requested*,
-  expert_counts [L][E] *requested*: (token, slot) pairs routed to each expert of each MoE layer in this step.
+  aux_per_layer [L], z_per_layer [L], mfu, mfu_gemm, step_time_s, mem_gib,
+  expert_counts [L][E]: (token, slot) pairs routed to each expert of each MoE layer in this step.
 Unknown numeric keys are logged under misc/ so nothing the trainer adds is silently dropped.
 """
 
@@ -21,6 +21,8 @@ TAGS = {
     "lr": "train/lr",
     "tokens_per_s": "perf/tokens_per_s",
     "mfu": "perf/mfu",
+    "mfu_gemm": "perf/mfu_vs_measured_gemm",
+    "mem_gib": "perf/mem_gib",
     "step_time_s": "perf/step_time_s",
     "expert_load_max": "moe/load_max_over_mean",
     "expert_load_mean": "moe/load_mean_over_mean",

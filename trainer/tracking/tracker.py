@@ -1,80 +1,82 @@
-"""Tracker(run_dir, enabled).log(step, metrics): rank 0's experiment tracking.
+"""Tracker(run_dir, backends).log(step, metrics): rank 0's experiment tracking, fed from the metrics.jsonl records.
 
-Writes TensorBoard event files under runs/<name>/tensorboard/ and, when `trackio` is importable and asked for,
-mirrors the scalars to a trackio project. `enabled=False` (other ranks, or tracking off) makes every call a no-op,
-so the training loop calls it unconditionally. MFU is derived from tokens_per_s when the caller gives
-flops_per_token and the peak FLOP/s of all devices together (see flops.py); a metrics dict that already holds
-`mfu` wins.
+Backends (`train.tracking`):
+  tensorboard  event files under runs/<name>/tensorboard/ (on by default; a missing package is a warning, not a
+               failed run: the run's own metrics.jsonl and `moe-launch report` do not need it)
+  wandb        a W&B run named after the run directory, its files under runs/<name>/wandb/; WANDB_MODE=offline
+               (W&B's own switch) keeps it local. Asked for explicitly, so a missing package is a config error.
+The trainer puts every derived value (MFU, expert counts) into the record; this file only maps names
+(scalars.py) and writes.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from moe_launch.errors import ConfigError
 from moe_launch.rundir import RunDir
-from moe_launch.trainer.tracking.flops import mfu
 from moe_launch.trainer.tracking.scalars import to_scalars
 
-BACKENDS = ("tensorboard", "trackio")
+BACKENDS = ("tensorboard", "wandb")
+log = logging.getLogger("moe_launch.trainer")
 
 
-def trackio_available() -> bool:
-    return importlib.util.find_spec("trackio") is not None
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def check_backends(backends: Sequence[str]) -> list[str]:
+    """The backends that will run. Raises ConfigError for an unknown name or an explicitly chosen W&B that is not
+    installed; drops TensorBoard with a warning when its package is missing."""
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError("train.tracking", f"unknown backends {unknown}", f"use a list of {', '.join(BACKENDS)}")
+    if "wandb" in backends and not installed("wandb"):
+        raise ConfigError("train.tracking", "wandb is listed but not installed",
+                          "pip install wandb (WANDB_MODE=offline needs no account), or drop wandb from train.tracking")
+    chosen = list(dict.fromkeys(backends))
+    if "tensorboard" in chosen and not installed("tensorboard"):
+        log.warning("TensorBoard is not installed: no event files (pip install tensorboard, or set "
+                    "train.tracking=[] to silence this)")
+        chosen.remove("tensorboard")
+    return chosen
 
 
 class Tracker:
-    def __init__(self, run_dir: str | Path | RunDir, enabled: bool = True, backends: tuple[str, ...] = ("tensorboard",),
-                 flops_per_token: Optional[float] = None, peak_flops: Optional[float] = None,
-                 project: str = "moe-launch"):
+    def __init__(self, run_dir: str | Path | RunDir, backends: Sequence[str] = ("tensorboard",),
+                 config: Optional[dict[str, Any]] = None, project: str = "moe-launch"):
         root = run_dir.root if isinstance(run_dir, RunDir) else Path(run_dir)
         self.log_dir = root / "tensorboard"
-        self.enabled = enabled
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.backends = check_backends(backends)
         self._tb = None
-        self._trackio = None
-        unknown = set(backends) - set(BACKENDS)
-        if unknown:
-            raise ValueError(f"unknown tracking backends {sorted(unknown)}; known: {BACKENDS}")
-        if not enabled:
-            return
-        if "tensorboard" in backends:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ConfigError("train.tensorboard", f"TensorBoard is not installed ({e})",
-                                  "pip install tensorboard, or turn TensorBoard tracking off") from e
-            self._tb = SummaryWriter(log_dir=str(self.log_dir))
-        if "trackio" in backends:
-            if not trackio_available():
-                raise ConfigError("train.trackio", "trackio is not installed",
-                                  "pip install trackio, or set train.trackio=false")
-            import trackio
+        self._wandb = None
+        if "tensorboard" in self.backends:
+            from torch.utils.tensorboard import SummaryWriter
 
-            trackio.init(project=project, name=root.name)
-            self._trackio = trackio
+            self._tb = SummaryWriter(log_dir=str(self.log_dir))
+        if "wandb" in self.backends:
+            import wandb
+
+            (root / "wandb").mkdir(parents=True, exist_ok=True)
+            # resume="allow" with the run's name as id: a restarted attempt continues the same W&B run
+            self._wandb = wandb.init(project=project, name=root.name, id=root.name, resume="allow", dir=str(root),
+                                     config=config or {})
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
-        """Log one step's metrics; returns the scalars written (empty when disabled)."""
-        if not self.enabled:
-            return {}
-        metrics = dict(metrics)
-        if "mfu" not in metrics and self.flops_per_token and "tokens_per_s" in metrics:
-            value = mfu(float(metrics["tokens_per_s"]), self.flops_per_token, self.peak_flops)
-            if value is not None:
-                metrics["mfu"] = value
+        """Log one step's metrics; returns the scalars written."""
         scalars, hists = to_scalars(metrics)
         if self._tb is not None:
             for tag, value in scalars.items():
                 self._tb.add_scalar(tag, value, step)
             for tag, values in hists.items():
                 self._tb.add_histogram(tag, np.asarray(values, dtype=np.float64), step)
-        if self._trackio is not None:
-            self._trackio.log(scalars, step=step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
         return scalars
 
     def flush(self) -> None:
@@ -85,9 +87,9 @@ class Tracker:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if self._trackio is not None:
-            self._trackio.finish()
-            self._trackio = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "Tracker":
         return self
