@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from moe_launch.errors import ConfigError, SubmissionError
+from moe_launch.errors import ConfigError, DataError, SubmissionError
 
 SUBCOMMANDS = ("attach", "status", "stop", "report")
 _DEFAULT_OVERRIDES = {
@@ -103,7 +103,7 @@ def run_app(cfg_node) -> int:
     sweep = hc.mode == RunMode.MULTIRUN
     code = 2
     try:
-        code = _run_app(cfg_node, run_dir, sweep, list(hc.overrides.task))
+        code = _run_app(cfg_node, run_dir, sweep, list(hc.overrides.task), Path(hc.runtime.cwd))
         return code
     finally:
         _discard_if_empty(run_dir)
@@ -113,13 +113,14 @@ def run_app(cfg_node) -> int:
             record_job(run_dir, list(hc.overrides.task), code)
 
 
-def _run_app(cfg_node, run_dir: Path, sweep: bool = False, overrides: tuple[str, ...] = ()) -> int:
+def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_dir: Path) -> int:
     from omegaconf import OmegaConf
 
     from moe_launch.conf.load import dump_config
     from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
     from moe_launch.rundir import RunDir, journal_event
+    from moe_launch.trainer.data.check import check_data
 
     try:
         cfg = OmegaConf.to_object(cfg_node)
@@ -130,6 +131,10 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool = False, overrides: tuple[str,
                 print(f"moe-launch: {note}", file=sys.stderr)
     except ConfigError as e:
         return _fail(f"bad configuration: {e}")
+    try:  # the trainer would refuse bad data only after the allocation: check the headers now
+        cfg.data = check_data(cfg.data, cfg.train.seq_len, cfg.model.vocab_size, launch_dir)
+    except DataError as e:
+        return _fail(f"refused before submission: {e}")
     cfg.run.name = run_dir.name  # the directory is the run's name (multirun jobs get numbered directories)
     try:
         p = login.make_plan(cfg, run_dir)

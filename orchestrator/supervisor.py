@@ -43,6 +43,7 @@ from moe_launch.orchestrator.local_cluster import LocalCluster
 from moe_launch.orchestrator.plan import trainer_argv
 from moe_launch.orchestrator.recovery import resume_details
 from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
+from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
 from moe_launch.rundir import RunDir, journal_event, read_jsonl
@@ -170,9 +171,10 @@ class Supervisor:
             if result is not None:
                 step, self.step = self.step, None
                 events += self.watcher.faults()  # a fault record explains the exit better than the exit code
+                said = trainer_message(self.rd.logs / f"attempt{step.attempt}") if result.code else ""
+                detail = f"{result.detail}; the trainer said: {said}" if said else result.detail
                 events.append(StepExited(attempt=step.attempt, code=result.code, dead_nodes=result.dead_nodes,
-                                         failed_nodes=result.failed_nodes, step=self.watcher.step,
-                                         detail=result.detail))
+                                         failed_nodes=result.failed_nodes, step=self.watcher.step, detail=detail))
         lost = {n: s for n, s in self.scheduler.unavailable.items() if n not in self.lost_seen}
         if lost:
             self.lost_seen |= set(lost)
