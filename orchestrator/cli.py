@@ -116,10 +116,10 @@ def run_app(cfg_node) -> int:
 def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_dir: Path) -> int:
     from omegaconf import OmegaConf
 
-    from moe_launch.conf.load import dump_config
     from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
-    from moe_launch.rundir import RunDir, journal_event
+    from moe_launch.orchestrator.start import start_run
+    from moe_launch.rundir import RunDir
     from moe_launch.trainer.data.check import check_data
 
     try:
@@ -152,15 +152,10 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     if cfg.render_sbatch is not None:
         return _render_for_hand_submission(cfg, run_dir, p)
     rd = RunDir(run_dir).make()
-    if rd.summary.exists():  # a stopped run started again under its name: keep the old outcome, resume its checkpoints
-        kept = rd.root / f"summary-{len(list(rd.root.glob('summary-*.json')))}.json"
-        rd.summary.rename(kept)
-        journal_event(rd, "info", (), message=f"started again; the previous outcome is kept in {kept.name}")
-    dump_config(cfg, rd.config)
     try:
-        handle = login.submit(cfg, rd, p)
+        handle = start_run(cfg, rd, p)
     except SubmissionError as e:
-        return _fail(f"submission failed: {e}")
+        return _fail(f"not started: {e}")
     print(f"moe-launch: run {cfg.run.name} started ({p.kind}: {handle}); outputs in {rd.root}", file=sys.stderr)
     if sweep and p.kind == "slurm":  # submit every allocation first; SweepCallback follows them all together
         return 0
