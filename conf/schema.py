@@ -196,7 +196,9 @@ class TrainConfig:
     model_ckpt_interval: int = 0  # persistent model-only checkpoints every M steps (0 disables)
     log_interval: int = 1
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
-    compile: bool = False
+    # torch.compile of attention and norms (trainer/compile.py); None: on for CUDA, off on CPU. Compiled code is kept
+    # in the run directory (compile_cache/), so a restart loads it instead of compiling again
+    compile: Optional[bool] = None
     # tracking backends fed from metrics.jsonl (trainer/tracking/tracker.py): tensorboard (skipped with a warning when
     # not installed) and/or wandb (WANDB_MODE=offline for local files only); [] for none
     tracking: list[str] = field(default_factory=lambda: ["tensorboard"])

@@ -39,6 +39,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(max(1, int(os.environ["SLURM_CPUS_PER_TASK"])))
     if cfg.train.deterministic:  # cuBLAS reads this when CUDA starts; it must precede any CUDA call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    from moe_launch.trainer.compile import compile_cache_env
+
+    for key, value in compile_cache_env(args.run_dir.absolute()).items():
+        os.environ.setdefault(key, value)
 
     from moe_launch.trainer.dist import detect_env, init_distributed, pick_device, shutdown
     from moe_launch.trainer.loop import Trainer

@@ -28,6 +28,9 @@ every layer instead of silently running the deep ones eager.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -37,6 +40,23 @@ from moe_launch.trainer.model.transformer import Block
 # A 16-layer model presents 3 * 16 + 1 module instances of two classes: room for one entry each, should Dynamo ever
 # specialise on instances (past the limit it would run the remaining layers eager, with only a log warning).
 _MIN_CACHE_LIMIT = 256
+
+
+def compile_enabled(setting: Optional[bool], device: torch.device) -> bool:
+    """`train.compile`: None (the default) compiles on CUDA only. On CPU Inductor generates and builds C++ with the
+    system compiler, which costs more than the small models trained there ever win back."""
+    return device.type == "cuda" if setting is None else setting
+
+
+def compile_cache_env(run_root: Path) -> dict[str, str]:
+    """Environment that keeps compiled code in the run directory: Inductor's FX-graph and AOTAutograd caches (the
+    generated kernels of torch.compile) and Triton's kernel cache (the binaries of those kernels and of kernels/).
+    A restarted trainer, on this node or a buffer node sharing the run directory, then loads what the first attempt
+    compiled instead of generating and building it again; only Dynamo's tracing is redone. Pure; the caller sets the
+    variables the user has not set, before anything compiles (both caches read them when first used)."""
+    cache = run_root / "compile_cache"
+    return {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
 def compile_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -36,7 +36,7 @@ from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
-from moe_launch.trainer.compile import compile_model
+from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.metrics import (
@@ -136,7 +136,8 @@ class Trainer:
                               "micro-batches of train.micro_batch_size per step",
                               f"set parallel.microbatches={self.accum_steps}")
         self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
-        self.phases = StartPhases(attempt, compiled=t.compile)  # for the supervisor's recovery breakdown
+        self.compiled = compile_enabled(t.compile, device)
+        self.phases = StartPhases(attempt, compiled=self.compiled)  # for the supervisor's recovery breakdown
         self.stop_requested = False
         self._prev_sync: Optional[float] = None  # perf_counter at the previous step's host sync (step timing)
         self._slept = 0.0  # train.step_sleep_s since then: not training time
@@ -154,7 +155,7 @@ class Trainer:
             attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute:
             apply_recompute(self.model, t.recompute)
-        if t.compile:  # the dense parts of every block (norms, attention), in place: parameter names stay;
+        if self.compiled:  # the dense parts of every block (norms, attention), in place: parameter names stay;
             # the MoE layers stay eager. Tracing happens at the first forward, so in the parameters' final dtype
             compile_model(self.model)
         self.loader = self._open_data()
