@@ -11,15 +11,53 @@ checkpoints, faults), `data`, `cluster` (local or Slurm, N nodes + B buffers), `
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from moe_launch.errors import ConfigError
+
+# set by `all_problems()`: the checks below record into this list instead of raising at the first problem
+_found: ContextVar[Optional[list[ConfigError]]] = ContextVar("config_problems", default=None)
+
+
+class ConfigProblems(ConfigError):
+    """Several bad values at once, one line each, so a user fixes them in one edit instead of one per try."""
+
+    def __init__(self, problems: list[ConfigError]):
+        self.problems = problems
+        ValueError.__init__(self, f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
+        self.key = problems[0].key
+
+
+@contextmanager
+def all_problems() -> Iterator[None]:
+    """Convert a config inside this block (OmegaConf.to_object runs every __post_init__): every failed check is
+    collected, and one ConfigError (ConfigProblems when more than one) names them all at the end."""
+    token = _found.set([])
+    try:
+        yield
+    except ConfigError as e:  # raised directly, not through _require: it joins the others
+        _found.get().append(e)
+    except Exception:  # a check that tripped over an earlier bad value: the recorded problems explain it
+        if not _found.get():
+            raise
+    finally:
+        found = _found.get()
+        _found.reset(token)
+    if len(found) == 1:
+        raise found[0]
+    if found:
+        raise ConfigProblems(found)
 
 
 def _require(cond: bool, key: str, problem: str, fix: str) -> None:
     if not cond:
-        raise ConfigError(key, problem, fix)
+        found = _found.get()
+        if found is None:
+            raise ConfigError(key, problem, fix)
+        found.append(ConfigError(key, problem, fix))
 
 
 def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:

@@ -6,14 +6,17 @@
     moe-launch status runs/<name>           one-shot view of a run
     moe-launch stop runs/<name>             ask the supervisor to checkpoint and stop
     moe-launch report runs/<name> [more]    plots of one run, or several overlaid (orchestrator/report.py)
+    moe-launch export runs/<name> --hf DIR  newest valid checkpoint -> transformers directory (trainer/interop/)
+    moe-launch import HF_DIR --out DIR      transformers directory -> model-only checkpoint
     moe-launch -m model=tiny_dense,tiny_moe train.lr=1e-3,3e-4
                                             a sweep: one supervised run per combination, then a summary table,
                                             <sweep dir>/sweep_summary.json and plots (orchestrator/sweep.py)
 
-The subcommands are handled before Hydra sees argv. The run directory is Hydra's output directory,
-`${run.root}/${run.name}` unless `hydra.run.dir=...` moves it; a sweep's is `${run.root}/${run.name}` with one
-directory `${run.name}-<job number>` per run (a unique run name per job). Exit codes: 0 completed (or dry run), 1 the
-run failed or stopped, 2 bad configuration or submission refused.
+The subcommands are handled before Hydra sees argv (their parsers and `--help`: commands.py). The run directory is
+Hydra's output directory, `${run.root}/${run.name}` unless `hydra.run.dir=...` moves it; a sweep's is
+`${run.root}/${run.name}` with one directory `${run.name}-<job number>` per run (a unique run name per job).
+Exit codes: 0 completed (or dry run), 1 the run failed or stopped, 2 bad configuration (ours, or Hydra's: an unknown
+key, a value of the wrong type) or submission refused.
 """
 
 from __future__ import annotations
@@ -24,14 +27,16 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from moe_launch.errors import ConfigError, DataError, SubmissionError
+from moe_launch.errors import CheckpointError, ConfigError, DataError, SubmissionError
+from moe_launch.orchestrator.commands import OVERVIEW, SUBCOMMANDS, parser
 
-SUBCOMMANDS = ("attach", "status", "stop", "report")
 _DEFAULT_OVERRIDES = {
     "hydra.run.dir": "${run.root}/${run.name}",
     "hydra.sweep.dir": "${run.root}/multirun-${now:%Y-%m-%d_%H-%M-%S}",
     "hydra.sweep.subdir": "${hydra.job.num}",
     "hydra.job.name": "moe-launch",
+    # job logging to stdout only: the login side prints what it does, a run-dir moe-launch.log stayed empty
+    "hydra/job_logging": "stdout",
 }
 _MULTIRUN_OVERRIDES = {  # a sweep's runs: each its own run directory (and run name, hence Slurm job name)
     "hydra.sweep.dir": "${run.root}/${run.name}",
@@ -56,18 +61,31 @@ def _load_run(path: str):
 
 
 def subcommand(argv: list[str]) -> int:
-    if argv[0] == "report":
-        if len(argv) < 2:
-            return _fail("usage: moe-launch report runs/<name> [runs/<other> ...]")
-        from moe_launch.orchestrator.report import main_report
+    try:
+        args = parser(argv[0]).parse_args(argv[1:])
+    except SystemExit as e:  # --help (0) or a usage error (argparse's 2, our bad-input code too)
+        return int(e.code or 0)
+    if argv[0] in ("report", "export"):
+        if not (args.run / "config.yaml").exists() and not (args.run / "metrics.jsonl").exists():
+            return _fail(f"no such run: {args.run} (no config.yaml or metrics.jsonl there); pass runs/<name>")
+    try:
+        if argv[0] == "report":
+            from moe_launch.orchestrator.report import main_report
 
-        return main_report(argv[1], argv[2:])
+            return main_report(args.run, args.compare, out_dir=args.out)
+        if argv[0] in ("export", "import"):
+            from moe_launch.trainer.interop.run_export import export_run, import_hf
+
+            out = (export_run(args.run, args.hf, args.checkpoint, args.dtype) if argv[0] == "export"
+                   else import_hf(args.hf, args.out, args.ep))
+            print(f"wrote {out}")
+            return 0
+    except (ConfigError, SubmissionError, CheckpointError, DataError) as e:
+        return _fail(str(e))
     from moe_launch.orchestrator import live, login
 
-    if len(argv) != 2 or argv[1].startswith("-"):
-        return _fail(f"usage: moe-launch {argv[0]} runs/<name>")
     try:
-        cfg, rd = _load_run(argv[1])
+        cfg, rd = _load_run(str(args.run))
         if argv[0] == "attach":
             from moe_launch.rundir import journal_event
 
@@ -116,6 +134,7 @@ def run_app(cfg_node) -> int:
 def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_dir: Path) -> int:
     from omegaconf import OmegaConf
 
+    from moe_launch.conf.schema import all_problems
     from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
     from moe_launch.orchestrator.start import start_run
@@ -123,7 +142,8 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     from moe_launch.trainer.data.check import check_data
 
     try:
-        cfg = OmegaConf.to_object(cfg_node)
+        with all_problems():  # every bad value in one message, not one per try
+            cfg = OmegaConf.to_object(cfg_node)
         if cfg.cluster.kind == "local":
             cfg, note = local_gpus.fit_layout(cfg, len(local_gpus.visible_gpus()),
                                               local_gpus.layout_overridden(overrides))
@@ -187,6 +207,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
         sys.exit(subcommand(argv))
+    if any(a in ("-h", "--help") for a in argv):  # ours first; Hydra then lists the config groups and exits 0
+        print(OVERVIEW)
+        argv = [a for a in argv if a != "-h"] + ([] if "--help" in argv else ["--help"])
     flags = {"--dry-run": "dry_run=true", "--render-sbatch": "render_sbatch=run",
              "--render-preflight": "render_sbatch=preflight"}
     argv = [flags.get(a, a) for a in argv]
@@ -211,7 +234,14 @@ def main(argv: Optional[list[str]] = None) -> None:
         return code
 
     sys.argv = [sys.argv[0], *argv]
-    _app()
+    try:
+        _app()
+    except SystemExit as e:
+        # Hydra exits 1 on an override it cannot parse or apply (unknown key, bad type, missing group option);
+        # that is a bad configuration: exit 2, the code our own config checks use
+        if e.code == 1 and not codes:
+            sys.exit(2)
+        raise
     if multirun:
         from moe_launch.orchestrator.sweep import RESULT
 

@@ -192,11 +192,11 @@ def make_plots(runs: str | Path | Sequence[str | Path], out_dir: Optional[str | 
     return written
 
 
-def main_report(run_dir: str | Path, compare: Sequence[str | Path] = ()) -> int:
+def main_report(run_dir: str | Path, compare: Sequence[str | Path] = (), out_dir: Optional[str | Path] = None) -> int:
     """`moe-launch report runs/<name> [other runs to overlay]`: regenerate runs/<name>/plots/. Exit 0, or 1 when
     the run has no metrics yet."""
     run_dir = Path(run_dir)
-    paths = make_plots([run_dir, *compare], out_dir=run_dir / "plots")
+    paths = make_plots([run_dir, *compare], out_dir=Path(out_dir) if out_dir else run_dir / "plots")
     if not paths:
         print(f"no metrics in {RunDir(run_dir).metrics}: nothing to plot (has the run logged a step yet?)",
               file=sys.stderr)
