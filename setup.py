@@ -22,4 +22,7 @@ def _packages() -> tuple[list[str], dict[str, str]]:
 
 
 packages, package_dir = _packages()
-setup(packages=packages, package_dir=package_dir, package_data={"moe_launch.health": ["data/*"]})
+# health/data holds DCGM fixtures and scripts, no Python: listed as a data-only package, which is how setuptools wants
+# non-code folders inside a package declared (as package data of moe_launch.health it warns on every build)
+packages.append("moe_launch.health.data")
+setup(packages=packages, package_dir=package_dir, package_data={"moe_launch.health.data": ["*"]})
