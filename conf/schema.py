@@ -373,6 +373,8 @@ class HealthConfig:
 
 @dataclass
 class SupervisorConfig:
+    # no heartbeat for this long = a hang; plus 10 s, the trainer's collective timeout (NCCL / gloo),
+    # so a collective stuck on a dead peer fails by then. Must exceed the longest step and checkpoint write
     hang_timeout_s: float = 120.0
     max_restarts: int = 5
     max_resubmits: int = 2  # login side: new allocations after the allocation itself ended

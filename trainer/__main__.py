@@ -44,14 +44,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     for key, value in compile_cache_env(args.run_dir.absolute()).items():
         os.environ.setdefault(key, value)
 
-    from moe_launch.trainer.dist import detect_env, init_distributed, pick_device, shutdown
+    from moe_launch.trainer.dist import collective_timeout_s, detect_env, init_distributed, pick_device, shutdown
     from moe_launch.trainer.loop import Trainer
 
     code = EXIT_CONFIG
     try:
         env = detect_env(os.environ)
         device = pick_device(env)
-        init_distributed(env, device)
+        init_distributed(env, device, timeout_s=collective_timeout_s(cfg.supervisor.hang_timeout_s))
         code = Trainer(cfg, RunDir(args.run_dir), attempt=args.attempt, device=device).train()
     except (ConfigError, DataError) as e:
         print(f"[trainer] {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -54,16 +54,40 @@ def detect_env(env: Mapping[str, str], hostnames: Callable[[str], list[str]] = s
     return DistEnv(rank, world, local, addr or "127.0.0.1", int(port or 29500), launcher)
 
 
+HANG_MARGIN_S = 10.0
+
+
+def collective_timeout_s(hang_timeout_s: float) -> float:
+    """Slightly longer than the supervisor's hang timeout: the supervisor, which sees every rank's heartbeat and can
+    name the node that fell behind, normally calls the hang first; the collective's own error is the backstop for
+    a supervisor that cannot act (a rank blocked forever keeps its node's resources otherwise)."""
+    return hang_timeout_s + HANG_MARGIN_S
+
+
+_group_timeout: Optional[datetime.timedelta] = None  # init_distributed's, for every group this process creates
+
+
 def init_distributed(env: DistEnv, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Create the default process group: NCCL on GPU, gloo on CPU. A world of one needs none."""
+    """Create the default process group: NCCL on GPU, gloo on CPU. A world of one needs none.
+
+    `timeout_s` bounds the rendezvous and every collective, of this group and of the groups created later with
+    `group_timeout()`: a collective stuck on a dead or hung peer fails after it instead of NCCL's 10 or gloo's 30
+    minutes. The trainer passes `collective_timeout_s(supervisor.hang_timeout_s)`.
+    """
+    global _group_timeout
     if env.world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _group_timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-        world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
+        world_size=env.world_size, timeout=_group_timeout, device_id=device if device.type == "cuda" else None,
     )
+
+
+def group_timeout() -> Optional[datetime.timedelta]:
+    """The timeout for `dist.new_group`: without one a new group gets torch's default, not the default group's."""
+    return _group_timeout
 
 
 def pick_device(env: DistEnv) -> torch.device:

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from moe_launch.errors import ConfigError
+from moe_launch.trainer.dist import group_timeout
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def build_groups(parallel_cfg: Any) -> Groups:
     for kind, all_ranks in group_ranks(dp, ep, pp).items():
         for ranks in all_ranks:
             # new_group is collective over the world even for groups this rank is not in; size-1 groups need none
-            handle = dist.new_group(list(ranks)) if initialized and len(ranks) > 1 else None
+            handle = dist.new_group(list(ranks), timeout=group_timeout()) if initialized and len(ranks) > 1 else None
             if rank in ranks:
                 axes[kind] = Axis(group=handle, ranks=ranks, rank=ranks.index(rank))
     world_group = dist.group.WORLD if initialized and world_size > 1 else None
