@@ -200,8 +200,26 @@ class FaultInjection:
 
     def __post_init__(self) -> None:
         if self.kind is not None:
-            kinds = ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt")
+            kinds = ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt", "loss_spike")
             _one_of(self.kind, kinds, "train.fault_injection.kind")
+
+
+@dataclass
+class SpikeConfig:
+    """Loss / gradient-norm spike detection (trainer/spike.py): a value above median + threshold * 1.4826 * MAD of the
+    last `window` steps is a spike."""
+
+    action: Optional[str] = None  # None (detection off) | skip (drop the update) | rollback | stop
+    window: int = 50  # steps of history; nothing is judged before it is full
+    threshold: float = 6.0  # in robust standard deviations (1.4826 * MAD)
+    skip_batches: int = 1  # rollback: batches, ending at the spike's, that the restarted run never reads
+
+    def __post_init__(self) -> None:
+        if self.action is not None:
+            _one_of(self.action, ("skip", "rollback", "stop"), "train.spike.action")
+        _require(self.window >= 3, "train.spike.window", f"got {self.window}", "use at least 3 steps (e.g. 50)")
+        _require(self.threshold > 0, "train.spike.threshold", f"got {self.threshold}", "use e.g. 6.0")
+        _require(self.skip_batches >= 1, "train.spike.skip_batches", f"got {self.skip_batches}", "use 1 or more")
 
 
 @dataclass
@@ -232,6 +250,10 @@ class TrainConfig:
     param_dtype: str = "auto"
     ckpt_interval: int = 20  # dual alternating full checkpoints every N steps (0 disables)
     model_ckpt_interval: int = 0  # persistent model-only checkpoints every M steps (0 disables)
+    # after a start from a model-only checkpoint (model.init_from=ckpt:, or a spike rollback) with its fresh
+    # optimizer: the learning rate ramps up linearly over this many steps (0: the schedule's own value at once)
+    rewarmup_steps: int = 0
+    spike: SpikeConfig = field(default_factory=SpikeConfig)
     log_interval: int = 1
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
     # torch.compile of attention and norms (trainer/compile.py); None: on for CUDA, off on CPU. Compiled code is kept
@@ -268,6 +290,10 @@ class TrainConfig:
                  "set train.dtype=bf16 (or auto on GPU), or train.param_dtype=fp32 / auto")
         _require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
         _require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
+        _require(self.rewarmup_steps >= 0, "train.rewarmup_steps", "is negative", "use 0 or a step count")
+        _require(self.spike.action != "rollback" or self.model_ckpt_interval > 0, "train.spike.action",
+                 "rollback restarts from a persistent model checkpoint, but train.model_ckpt_interval=0 writes none",
+                 "set train.model_ckpt_interval (e.g. 100), or use train.spike.action=skip / stop")
         for i, item in enumerate(self.recompute):
             _one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
         _require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")

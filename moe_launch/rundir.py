@@ -28,10 +28,12 @@ EXIT_CONFIG = 2  # bad config or data: relaunching cannot help
 EXIT_SOFT_FAULT = 3  # NaN/Inf on this rank; a fault record names host, rank, step
 EXIT_PREEMPTED = 4  # SIGUSR2/SIGTERM received: a checkpoint was written, resubmit to continue
 EXIT_CHECKPOINT = 5  # no usable checkpoint / checkpoint mismatch
+EXIT_ROLLBACK = 6  # training spike: relaunch; the trainer restarts from the model checkpoint named in rollback.json
+EXIT_SPIKE = 7  # training spike the trainer cannot roll back from (or that recurred): a data/model problem, stop
 
 JOURNAL_KINDS = (
     "start", "allocation", "preflight", "launch", "failure", "exclude", "swap", "resume", "straggler",
-    "checkpoint", "fault", "stop", "done", "resubmit", "attach", "info",
+    "checkpoint", "fault", "spike", "stop", "done", "resubmit", "attach", "info",
 )
 
 

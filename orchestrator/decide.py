@@ -10,7 +10,8 @@ Policy, in the order a reader asks about it:
   produce it deterministically, swapping cannot help, stop with that diagnosis;
 - a failure without a node cause is retried once on the same nodes; the same exit at the same step again -> stop;
 - exit codes of the trainer (moe_launch.rundir): 0 done, 2 config (stop), 4 preempted (stop, the login side
-  resubmits), 5 checkpoint (stop);
+  resubmits), 5 checkpoint (stop), 6 spike rollback (relaunch on the same nodes: no node is to blame; the trainer
+  restarts from the model checkpoint it chose), 7 spike it cannot roll back from or that recurred (stop);
 - every relaunch counts against supervisor.max_restarts; too few buffers -> stop, naming what was lost.
 """
 
@@ -30,7 +31,7 @@ from moe_launch.orchestrator.events import (
     SuspectChecked,
 )
 from moe_launch.orchestrator.state import Action, SupervisorState
-from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED
+from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK, EXIT_SPIKE
 
 IGNORE = Action(kind="ignore")
 
@@ -151,6 +152,13 @@ def _step_exited(state: SupervisorState, ev: StepExited) -> Action:
     if ev.code == EXIT_PREEMPTED:
         return Action(kind="stop", status="preempted",
                       reason="trainer checkpointed and exited on a preemption/time-limit signal; resubmit to continue")
+    if ev.code == EXIT_ROLLBACK:
+        why = f"training spike at step {ev.step}, rolling back ({ev.detail or 'see the spike record in the journal'})"
+        return _restart_same(state, why, None)
+    if ev.code == EXIT_SPIKE:
+        return Action(kind="stop", status="failed",
+                      reason=f"trainer exit {ev.code}: training spike that is a data/model problem, not a node "
+                             f"problem ({ev.detail or 'see the spike records in the journal'})")
     if ev.code == EXIT_CHECKPOINT:
         return Action(kind="stop", status="failed",
                       reason=f"trainer exit {ev.code}: no usable checkpoint ({ev.detail}); see logs/")

@@ -13,6 +13,8 @@ Injection (train.fault_injection, off by default) fires only on the configured r
   sigkill           the rank SIGKILLs itself at step `step`
   kill_during_ckpt  the rank SIGKILLs itself inside the first checkpoint at or after step `step`, after its shards
                     are on disk and before the manifest exists
+  loss_spike        the loss of step `step` (so its gradients too) is multiplied by SPIKE_FACTOR: finite, caught by
+                    spike detection (train.spike), not by the NaN check
 """
 
 from __future__ import annotations
@@ -81,3 +83,11 @@ def hang_forever() -> None:
 
 def sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+SPIKE_FACTOR = 1000.0
+
+
+def spike_loss(loss: torch.Tensor) -> torch.Tensor:
+    """A finite spike: the loss and (through backward) every gradient of the step scaled by SPIKE_FACTOR."""
+    return loss * SPIKE_FACTOR

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from moe_launch import rundir
 from moe_launch.conf.schema import RootConfig
 from moe_launch.errors import CheckpointError, ConfigError
 from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
@@ -49,7 +50,7 @@ from moe_launch.trainer.metrics import (
 )
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
-from moe_launch.trainer.optim import clip_norm_at, lr_at
+from moe_launch.trainer.optim import clip_norm_at, lr_at, rewarmup_factor
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
@@ -58,6 +59,16 @@ from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
+from moe_launch.trainer.spike import (
+    RollbackState,
+    Spike,
+    SpikeDetector,
+    batch_for_step,
+    checkpoint_step,
+    model_checkpoint_before,
+    plan_rollback,
+    rollback_applies,
+)
 from moe_launch.trainer.start_phases import StartPhases
 from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
 from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
@@ -161,6 +172,14 @@ class Trainer:
         self.loader = self._open_data()
         self.phases.mark("restore_start")
         self.resume = self._choose_resume()
+        self.rollback = self.comm.broadcast_object(RollbackState.read(self.run_dir.root) if self.rank == 0 else None)
+        if rollback_applies(self.rollback.pending, self.resume.path):
+            self.resume = SlotChoice(path=None)  # a spike rollback outranks the full checkpoints written before it
+        else:
+            self.rollback.pending = None
+        history = (self.rollback.pending or {}).get("history")  # a rollback judges against the pre-spike window
+        self.spikes = SpikeDetector(t.spike, history) if t.spike.action is not None else None
+        self.restart_step: Optional[int] = None  # set by a start from a model-only checkpoint (re-warm-up)
         self.resume_mode, self.saved_layout = "same", self._layout()  # _load_model sets the resumed slot's
         self.start_step = self._load_model()
         # after the weights are final (loads cast into the fp32-built model: any saved dtype works), before the
@@ -170,7 +189,10 @@ class Trainer:
         self.balancer = BiasBalancer.of(self.model, cfg.model.moe.bias_update_rate, self.groups.dp_ep)
         if self.resume.path is not None:
             self._load_optimizer_and_rng(self.resume.path)
-            self.loader.load_state_dict(ckpt_state.load_trainer_state(self.resume.path)["data"])
+            saved_state = ckpt_state.load_trainer_state(self.resume.path)
+            self.loader.load_state_dict(saved_state["data"])
+            if self.spikes is not None:  # a resumed run judges spikes against the history the original had
+                self.spikes = SpikeDetector(t.spike, saved_state.get("spike_history"))
         self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
         self.last_ckpt_step = self.start_step
         self.phases.mark("restore_end")
@@ -214,12 +236,19 @@ class Trainer:
                               resharded=self.resume_mode == "reshard")
             return int(saved["step"])
         init_from = self.cfg.model.init_from
+        if self.rollback.pending is not None:
+            init_from = f"ckpt:{self.rollback.pending['checkpoint']}"
         if init_from is not None and init_from.startswith("ckpt:"):
+            # a model-only checkpoint continues at its step: the schedule and the data position are functions of
+            # the step (and of rollback.json's skipped batches); only the optimizer starts afresh
             path = ckpt_state.verified_model_dir(init_from)
             self._load_and_broadcast(path, any_layout=True)
+            self.restart_step = checkpoint_step(path)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
-                              fresh_optimizer=True, step=0, attempt=self.attempt)
+                              fresh_optimizer=True, step=self.restart_step, attempt=self.attempt,
+                              rollback=self.rollback.pending is not None)
+            return self.restart_step
         elif init_from is not None:  # hf:/path, an OLMoE-format save_pretrained directory
             if self.groups.dp_rank == 0:
                 self._load_hf(hf_path(init_from))
@@ -313,7 +342,7 @@ class Trainer:
 
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
         """Returns local means over micro-batches: [loss, lm, aux, z] and the per-layer stats."""
-        batch_BL = self.loader.get(step).to(self.device, non_blocking=True)
+        batch_BL = self.loader.get(batch_for_step(step, self.rollback.skips)).to(self.device, non_blocking=True)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BL, done)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -323,6 +352,8 @@ class Trainer:
                 loss, parts = self.model.compute_loss(mb_BL[:, :-1], mb_BL[:, 1:])
             if self.injection == "nan" and done == self.cfg.train.fault_injection.step:
                 loss = faults.poison_loss(loss)
+            if self.injection == "loss_spike" and done == self.cfg.train.fault_injection.step:
+                loss = faults.spike_loss(loss)
             (loss / self.accum_steps).backward()
             sums += torch.stack([loss.detach(), parts.lm_loss, parts.aux_loss, parts.z_loss]).double()
             per_layer.append(parts)
@@ -376,10 +407,14 @@ class Trainer:
         grad_norm = self.optimizer.clip_grad_norm_(clip_norm_at(step, t))
         if not math.isfinite(grad_norm):  # finite everywhere locally, non-finite reduced: report it from rank 0
             return self._fault(done, [0], f"non-finite global gradient norm {grad_norm} after reduction")
-        lr = lr_at(step, t)
-        self.optimizer.step(lr)
+        lr = lr_at(step, t) * rewarmup_factor(step, self.restart_step, t.rewarmup_steps)
+        spike = self._check_spike(done, float(shared[world + 1]) / world, grad_norm)
+        if spike is not None and t.spike.action != "skip":
+            return self._spike_exit(spike)
+        if spike is None:  # a skipped spike drops the update; the data position and the schedule move on
+            self.optimizer.step(lr)
         self.optimizer.zero_grad()
-        if self.balancer is not None:
+        if self.balancer is not None and spike is None:
             self.balancer.update(self._stage_loads(per_layer))
 
         write_heartbeat(self.run_dir, self.rank, done, self.host)
@@ -405,6 +440,44 @@ class Trainer:
                 journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done, checkpoint=self.newest_slot)
             return EXIT_PREEMPTED
         return None
+
+    def _check_spike(self, done: int, loss: float, grad_norm: float) -> Optional[Spike]:
+        """Judged on global values only, so every rank reaches the same verdict; a skip leaves a journal record."""
+        spike = self.spikes.observe(done, loss, grad_norm) if self.spikes is not None else None
+        if spike is not None and self.cfg.train.spike.action == "skip" and self.rank == 0:
+            journal_event(self.run_dir, "spike", [], step=done, metric=spike.metric, value=spike.value,
+                          median=spike.median, limit=spike.limit, action="skip", what=spike.describe())
+        return spike
+
+    def _spike_exit(self, spike: Spike) -> int:
+        """rollback: rank 0 records where the relaunched trainer restarts and which batches it never reads again,
+        then every rank exits with EXIT_ROLLBACK; stop, a recurrence, or nothing to roll back to: EXIT_SPIKE."""
+        t = self.cfg.train
+        action, why = t.spike.action, spike.describe()
+        code, plan = rundir.EXIT_SPIKE, None
+        if action == "rollback":
+            earlier = self.rollback.recurs(spike.step, self.start_step, t.spike.window)
+            before = model_checkpoint_before(self.run_dir.checkpoints, spike.step) if earlier is None else None
+            if earlier is not None:
+                action, why = "stop", (f"{why}; it recurs after the rollback from the spike at step {earlier}: a "
+                                       "data/model problem, not a node problem (lower train.lr, raise "
+                                       "train.spike.skip_batches, or inspect the data near this step)")
+            elif before is None:
+                action, why = "stop", (f"{why}; no persistent model checkpoint before it to roll back to (set "
+                                       "train.model_ckpt_interval)")
+            else:
+                code = rundir.EXIT_ROLLBACK
+                plan = plan_rollback(batch_for_step(spike.step - 1, self.rollback.skips), t.spike.skip_batches, before)
+        if self.rank == 0:
+            if plan is not None:
+                state = self.rollback.with_rollback(plan, spike.step, time.time(), self.spikes.state_dict())
+                state.write(self.run_dir.root)
+            journal_event(self.run_dir, "spike", [], step=spike.step, metric=spike.metric, value=spike.value,
+                          median=spike.median, limit=spike.limit, action=action, what=why,
+                          rollback_to=plan.checkpoint if plan else None, restart_step=plan.step if plan else None,
+                          skip_batches=list(plan.skip) if plan else None)
+            print(f"[trainer] spike: {why} -> {action}", flush=True)
+        return code
 
     def _stage_loads(self, per_layer: list) -> list[torch.Tensor]:
         """This step's expert load of each MoE layer held here (a pipeline reports every layer of the model)."""
@@ -469,7 +542,8 @@ class Trainer:
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def _trainer_state(self, done: int) -> dict:
         return {"step": done, "data": self.loader.state_dict(), "layout": self._layout(),
-                "model": asdict(self.cfg.model), "param_dtype": _dtype_name(self.param_dtype), "time": time.time()}
+                "model": asdict(self.cfg.model), "param_dtype": _dtype_name(self.param_dtype), "time": time.time(),
+                "spike_history": self.spikes.state_dict() if self.spikes is not None else None}
 
     def _kill_hook(self, done: int):
         if self.injection == "kill_during_ckpt" and done >= self.cfg.train.fault_injection.step:

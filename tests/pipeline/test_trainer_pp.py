@@ -77,7 +77,7 @@ def test_pp2_trainer_matches_pp1_and_resumes_bitwise(tmp_path, data_cache):
     # model's in both layouts)
     first = {}
     for name, rd in (("pp1", ref), ("pp2", pp)):
-        cfg = tiny_cfg(data_cache, steps=1, ckpt_interval=0, **BATCH)
+        cfg = tiny_cfg(data_cache, steps=5, ckpt_interval=0, **BATCH)  # one step after the checkpoint's
         cfg = replace(cfg, model=replace(cfg.model, init_from=f"ckpt:{rd.checkpoints / 'model-step-4'}"))
         run = write_run(tmp_path / f"from-{name}", cfg)
         assert Trainer(cfg, run).train() == EXIT_OK

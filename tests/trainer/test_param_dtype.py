@@ -132,7 +132,7 @@ def test_model_checkpoint_loads_into_the_other_param_dtype(data_cache, tmp_path,
     cfg = tiny_cfg(data_cache, steps=3, ckpt_interval=0, dtype="bf16", param_dtype=dst)
     cfg.model.init_from = f"ckpt:{rd.checkpoints / 'model-step-2'}"
     loaded = Trainer(cfg, write_run(tmp_path / "dst", cfg))
-    assert loaded.start_step == 0 and loaded.optimizer.step_count == 0
+    assert loaded.start_step == 2 and loaded.optimizer.step_count == 0
     src_params = _params(writer)
     for name, p in loaded.model.named_parameters():
         assert p.dtype == want

@@ -35,3 +35,12 @@ def clip_norm_at(step: int, cfg: TrainConfig) -> float:
     if cfg.clip_after_warmup_only and step < cfg.warmup_steps:
         return 0.0
     return cfg.grad_clip
+
+
+def rewarmup_factor(step: int, restart_step: int | None, rewarmup_steps: int) -> float:
+    """Multiplier of the scheduled learning rate after a start from a model-only checkpoint at `restart_step` (a
+    fresh optimizer has no moment estimates yet): linear from 1/rewarmup_steps to 1 over the first steps of the
+    restarted run; 1 otherwise."""
+    if restart_step is None or rewarmup_steps == 0 or step >= restart_step + rewarmup_steps:
+        return 1.0
+    return (step - restart_step + 1) / rewarmup_steps
