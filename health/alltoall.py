@@ -129,7 +129,7 @@ def format_table(rows: list[A2ARow]) -> str:
 
 def this_node() -> str:
     """The node this rank runs on: MOE_LAUNCH_NODE (cluster=local), else Slurm's node name, else the hostname."""
-    return os.environ.get("MOE_LAUNCH_NODE") or os.environ.get("SLURMD_NODENAME") or node_name()
+    return node_name()
 
 
 def _env_int(*names: str, default: Optional[int] = None) -> int:

@@ -14,13 +14,15 @@ runs/<name>/
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Optional
 
 # Trainer exit codes: the supervisor's contract (documented in the README).
 EXIT_OK = 0
@@ -30,6 +32,7 @@ EXIT_PREEMPTED = 4  # SIGUSR2/SIGTERM received: a checkpoint was written, resubm
 EXIT_CHECKPOINT = 5  # no usable checkpoint / checkpoint mismatch
 EXIT_ROLLBACK = 6  # training spike: relaunch; the trainer restarts from the model checkpoint named in rollback.json
 EXIT_SPIKE = 7  # training spike the trainer cannot roll back from (or that recurred): a data/model problem, stop
+EXIT_CHECKPOINT_WRITE = 6  # checkpoints kept failing to persist (ENOSPC, EIO, read-only FS): fix storage
 
 JOURNAL_KINDS = (
     "start", "allocation", "preflight", "launch", "failure", "exclude", "swap", "resume", "straggler",
@@ -83,9 +86,46 @@ class RunDir:
         return self
 
 
-def node_name() -> str:
-    """This process's node. cluster=local runs several "nodes" on one host and names them via MOE_LAUNCH_NODE."""
-    return os.environ.get("MOE_LAUNCH_NODE") or socket.gethostname()
+def node_name(env: Optional[Mapping[str, str]] = None) -> str:
+    """This process's node, as the scheduler names it. The one way every writer names a node (fault records,
+    heartbeats, the journal, health results, the supervisor's host), so each name matches the allocation's node list.
+
+    Hostnames often differ from Slurm's NodeNames (`node4.hpc.example` vs `node4`): inside Slurm the hostname is used
+    only to look the NodeName up. Order: MOE_LAUNCH_NODE (cluster=local runs several "nodes" on one host),
+    SLURMD_NODENAME (set in every Slurm task and batch script), the node whose NodeHostName/NodeAddr is this host
+    (inside an allocation without that variable), the hostname (outside Slurm)."""
+    env = os.environ if env is None else env
+    named = env.get("MOE_LAUNCH_NODE") or env.get("SLURMD_NODENAME")
+    if named:
+        return named
+    host = socket.gethostname()
+    if env.get("SLURM_JOB_ID"):
+        return _slurm_node_of_host(host) or host
+    return host
+
+
+@functools.lru_cache(maxsize=None)
+def _slurm_node_of_host(host: str) -> Optional[str]:
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o"], capture_output=True, text=True, timeout=30,
+                             stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return slurm_node_of_host(out, host)
+
+
+def slurm_node_of_host(scontrol_nodes: str, host: str) -> Optional[str]:
+    """The NodeName of `scontrol show node -o` output whose NodeHostName or NodeAddr is `host` (or its short form)."""
+    wanted = {host, host.split(".")[0]}
+    for line in scontrol_nodes.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if wanted & {fields.get("NodeHostName"), fields.get("NodeAddr")}:
+            return fields.get("NodeName")
+    for line in scontrol_nodes.splitlines():  # no host field matched: a NodeName equal to the short hostname
+        name = dict(f.split("=", 1) for f in line.split() if "=" in f).get("NodeName")
+        if name in wanted:
+            return name
+    return None
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
 from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
-from moe_launch.rundir import RunDir, journal_event, read_jsonl
+from moe_launch.rundir import RunDir, journal_event, node_name, read_jsonl
 
 STOP_FILE = "STOP"
 _ACTION_KIND = {"launch": "launch", "relaunch": "launch", "update": "info", "stop": "stop", "complete": "done"}
@@ -114,7 +114,7 @@ class Supervisor:
         records = read_jsonl(self.rd.journal)
         prev = replay(records, self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
         journal_event(self.rd, "allocation", nodes, job_id=os.environ.get("SLURM_JOB_ID", "local"),
-                      supervisor_host=socket.gethostname(), supervisor_pid=os.getpid(),
+                      supervisor_host=node_name(), supervisor_pid=os.getpid(),
                       carried_over=bool(prev), excluded=dict(prev.excluded) if prev else {})
         state = replay(read_jsonl(self.rd.journal), self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
         assert state is not None
@@ -246,7 +246,9 @@ class Supervisor:
         from moe_launch.health.preflight import run_preflight
 
         health = preflight_health_config(self.cfg.health, self.cfg.cluster, self.rd.health)
-        return run_preflight(list(nodes), health, self.cfg.cluster, self.rd.health, self.cfg.run.name)
+        # local "nodes" share this machine's cores: their all-to-all bandwidth says nothing about them
+        return run_preflight(list(nodes), health, self.cfg.cluster, self.rd.health, self.cfg.run.name,
+                             judge_bandwidth=self.cfg.cluster.kind != "local")
 
 
 def preflight_health_config(health: HealthConfig, cluster: ClusterConfig, run_health_dir: Path) -> HealthConfig:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+
 from moe_launch.orchestrator.slurm import is_bad_state, parse_job_field, parse_srun_line, parse_time_limit
+from moe_launch.rundir import node_name, slurm_node_of_host
 
 # srun's stderr when node5 was hard-failed during `srun -N 2 -w node4,node5 --kill-on-bad-exit=1 ...`
 NODE_FAILURE = """\
@@ -51,3 +54,25 @@ def test_time_limits_and_states():
         assert is_bad_state(bad), bad
     for ok in ("idle", "mixed", "allocated", "completing"):
         assert not is_bad_state(ok), ok
+
+
+# `scontrol show node -o` on the local test cluster (two of its lines, cut after the fields that matter)
+SCONTROL_NODES = """\
+NodeName=node1 Arch=x86_64 CoresPerSocket=2  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=3.42 \
+AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.100.1 NodeHostName=node1 Port=17901 \
+Version=22.05.8 OS=Linux 6.18.44-fc-v973 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4096 State=IDLE Partitions=debug
+NodeName=node2 Arch=x86_64 CoresPerSocket=2  CPUAlloc=0 CPUEfctv=2 CPUTot=2 CPULoad=3.42 \
+AvailableFeatures=(null) ActiveFeatures=(null) Gres=(null) NodeAddr=127.0.100.2 NodeHostName=gpu-b07.hpc.example \
+Port=17902 Version=22.05.8 OS=Linux 6.18.44-fc-v973 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4096 State=IDLE
+"""
+
+
+def test_node_name_is_the_slurm_node_name_not_the_hostname():
+    assert slurm_node_of_host(SCONTROL_NODES, "node1.hpc.example") == "node1"  # FQDN of NodeHostName=node1
+    assert slurm_node_of_host(SCONTROL_NODES, "gpu-b07.hpc.example") == "node2"  # NodeHostName differs from NodeName
+    assert slurm_node_of_host(SCONTROL_NODES, "127.0.100.2") == "node2"
+    assert slurm_node_of_host(SCONTROL_NODES, "login1.hpc.example") is None
+    env = {"SLURMD_NODENAME": "node4", "SLURM_JOB_ID": "7"}
+    assert node_name(env) == "node4"
+    assert node_name({**env, "MOE_LAUNCH_NODE": "local2"}) == "local2"  # cluster=local names its "nodes" itself
+    assert node_name({}) == socket.gethostname()  # outside Slurm

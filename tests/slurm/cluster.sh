@@ -3,8 +3,9 @@
 #
 # Debian 12's slurm-wlm 22.05 slurmd is built for "multiple slurmd" mode, so we run one
 # slurmctld plus one `slurmd -N nodeK` per virtual node, each on its own port. Every slurmd
-# lives in its own UTS namespace (so `hostname` in a task prints nodeK) and nodeK resolves via
-# a managed /etc/hosts block to 127.0.100.K. munged, mariadbd and slurmdbd (for sacct, which
+# lives in its own UTS namespace whose hostname is nodeK.hpc.example, not the NodeName nodeK:
+# many real clusters look like that, and code that names a node by its hostname must fail here.
+# Both names resolve via a managed /etc/hosts block to 127.0.100.K. munged, mariadbd and slurmdbd (for sacct, which
 # submitit polls) are private instances under the state dir. No systemd, no cgroups. Root only.
 #
 # Commands:
@@ -157,6 +158,9 @@ ensure_packages() {
 
 # ------------------------------------------------------------------ config files
 node_name() { echo "node$1"; }
+# the node's hostname (what `hostname` prints in its tasks) deliberately differs from its NodeName
+HOST_DOMAIN=hpc.example
+node_host() { echo "$1.$HOST_DOMAIN"; }
 
 write_slurm_conf() {
   local n=$1 k first_jobid gres_types="" node_gres="" accounting
@@ -272,7 +276,7 @@ hosts_block_add() {
   hosts_block_remove
   {
     echo "$HOSTS_BEGIN"
-    for ((k = 1; k <= n; k++)); do echo "127.0.100.$k $(node_name $k)"; done
+    for ((k = 1; k <= n; k++)); do echo "127.0.100.$k $(node_host "$(node_name $k)") $(node_name $k)"; done
     echo "$HOSTS_END"
   } >>/etc/hosts
 }
@@ -327,8 +331,8 @@ start_slurmd() {
   local node=$1
   mkdir -p "$STATE/spool/$node"
   rm -f "$PIDS/slurmd-$node.pid"
-  # a private UTS namespace so that `hostname` inside the node's tasks prints the node name
-  unshare --uts sh -c "hostname '$node' && exec slurmd -f '$CONF' -N '$node'" \
+  # a private UTS namespace: `hostname` inside the node's tasks prints nodeK.hpc.example, Slurm calls it nodeK
+  unshare --uts sh -c "hostname '$(node_host "$node")' && exec slurmd -f '$CONF' -N '$node'" \
     </dev/null >>"$LOGS/slurmd-$node.stdout" 2>&1 || fail "slurmd $node did not start; see $LOGS/slurmd-$node.log"
   wait_until 15 "slurmd $node pid file" test -s "$PIDS/slurmd-$node.pid"
 }
@@ -344,6 +348,15 @@ cluster_healthy() {
 }
 
 # ------------------------------------------------------------------ commands
+# Descriptors inherited from the caller (say the lock of `flock LOCK cluster.sh up`) would live on in the
+# daemons and hold that lock for as long as the cluster runs.
+close_inherited_fds() {
+  local fd
+  for fd in $(ls /proc/$$/fd); do
+    if [ "$fd" -gt 2 ] && [ "$fd" != 255 ]; then eval "exec $fd>&-"; fi
+  done
+}
+
 cmd_up() {
   local n=${1:-6} t0=$SECONDS t_install i
   [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 99 ] || fail "node count must be 1..99, got '$n'"
@@ -465,6 +478,7 @@ cmd_resume_node() {
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; }
 
 [ "$(id -u)" = 0 ] || fail "must run as root (unshare, /etc/hosts, apt-get)"
+close_inherited_fds
 case "${1:-}" in
   up) cmd_up "${2:-6}" ;;
   restart) cmd_down; cmd_up "${2:-6}" ;;

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,15 +26,21 @@ from slurm.helpers import (
     wait_sacct_state,
 )
 
+from moe_launch.rundir import node_name
+
 pytestmark = pytest.mark.slurm
 JOB_NAME = "smoke-node-fault"
 
 
-def test_srun_runs_on_distinct_nodes(slurm_cluster):
-    out = run_cmd(["srun", "-N", "3", "--immediate=60", "hostname"], timeout=90).stdout.split()
-    assert len(out) == 3
-    assert len(set(out)) == 3
-    assert set(out) <= set(slurm_cluster.nodes)
+def test_srun_runs_on_distinct_nodes_whose_hostnames_differ_from_their_names(slurm_cluster):
+    """Like many real clusters, a node's hostname (node3.hpc.example) is not its Slurm NodeName (node3); node_name()
+    gives the NodeName, which is what the allocation's node lists hold."""
+    code = "from moe_launch.rundir import node_name; import socket; print(node_name(), socket.gethostname())"
+    out = run_cmd(["srun", "-N", "3", "--immediate=60", sys.executable, "-c", code], timeout=90).stdout
+    pairs = [line.split() for line in out.splitlines()]
+    names, hosts = [p[0] for p in pairs], [p[1] for p in pairs]
+    assert len(set(names)) == 3 and set(names) <= set(slurm_cluster.nodes), out
+    assert hosts == [f"{n}.hpc.example" for n in names], out
 
 
 def test_sbatch_job_is_completed_in_sacct(slurm_cluster, tmp_path):
@@ -49,9 +56,8 @@ def test_submitit_job_returns_its_hostname(slurm_cluster, tmp_path):
     submitit = pytest.importorskip("submitit")
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
     executor.update_parameters(timeout_min=5, nodes=1, tasks_per_node=1, cpus_per_task=1)
-    job = executor.submit(socket.gethostname)
-    host = job.result()
-    assert host in slurm_cluster.nodes
+    job = executor.submit(node_name)
+    assert job.result() in slurm_cluster.nodes
     # submitit reads job states from sacct: with accounting on it must reach COMPLETED, not UNKNOWN
     deadline = time.monotonic() + 30
     while job.state != "COMPLETED" and time.monotonic() < deadline:
