@@ -32,7 +32,7 @@ EXIT_PREEMPTED = 4  # SIGUSR2/SIGTERM received: a checkpoint was written, resubm
 EXIT_CHECKPOINT = 5  # no usable checkpoint / checkpoint mismatch
 EXIT_ROLLBACK = 6  # training spike: relaunch; the trainer restarts from the model checkpoint named in rollback.json
 EXIT_SPIKE = 7  # training spike the trainer cannot roll back from (or that recurred): a data/model problem, stop
-EXIT_CHECKPOINT_WRITE = 6  # checkpoints kept failing to persist (ENOSPC, EIO, read-only FS): fix storage
+EXIT_CHECKPOINT_WRITE = 8  # checkpoints kept failing to persist (ENOSPC, EIO, read-only FS): fix storage
 
 JOURNAL_KINDS = (
     "start", "allocation", "preflight", "launch", "failure", "exclude", "swap", "resume", "straggler",
