@@ -338,9 +338,14 @@ class ClusterConfig:
     python: Optional[str] = None  # interpreter on the compute nodes (default: the one running moe-launch)
     extra_sbatch: list[str] = field(default_factory=list)  # extra "--key=value" lines, each quoted when rendered
     signal_before_end_s: int = 60  # --signal=USR2@N: checkpoint and exit before the time limit
+    # srun/sbatch/scontrol/sacct answers such as "Unable to contact slurm controller" are retried with backoff for
+    # this long before they count as an error: a slurmctld restart or failover must not end a run
+    controller_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         _one_of(self.kind, ("local", "slurm"), "cluster.kind")
+        _require(self.controller_retry_s >= 0, "cluster.controller_retry_s", f"got {self.controller_retry_s}",
+                 "use seconds >= 0, e.g. 300")
         _require(self.nodes >= 1, "cluster.nodes", f"got {self.nodes}", "use at least 1 node")
         _require(self.buffers >= 0, "cluster.buffers", f"got {self.buffers}", "use 0 or more buffer nodes")
         _require(self.tasks_per_node >= 1, "cluster.tasks_per_node", f"got {self.tasks_per_node}", "use at least 1")
@@ -403,7 +408,10 @@ class SupervisorConfig:
     # so a collective stuck on a dead peer fails by then. Must exceed the longest step and checkpoint write
     hang_timeout_s: float = 120.0
     max_restarts: int = 5
-    max_resubmits: int = 2  # login side: new allocations after the allocation itself ended
+    # login side: new allocations after an allocation was lost without a clean checkpoint (its supervisor's node
+    # died, a hard time limit). Continuations after a clean time-limit/preemption checkpoint do not count
+    max_resubmits: int = 2
+    max_allocations: int = 0  # cap on all allocations of the run, continuations included; 0: no cap
     poll_s: float = 0.5
     launch_timeout_s: float = 300.0  # time allowed for the first heartbeat after a (re)launch
     # after a task of the trainer step exits badly, nodes whose tasks have not reported within this many seconds are
@@ -416,6 +424,7 @@ class SupervisorConfig:
         _require(self.hang_timeout_s > 0, "supervisor.hang_timeout_s", "must be positive", "use seconds, e.g. 120")
         _require(self.max_restarts >= 0, "supervisor.max_restarts", "is negative", "use 0 or more")
         _require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
+        _require(self.max_allocations >= 0, "supervisor.max_allocations", "is negative", "use 0 (no cap) or more")
         _require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
         _require(self.exit_grace_s > 0, "supervisor.exit_grace_s", "must be positive", "use seconds, e.g. 3")
 

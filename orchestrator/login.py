@@ -1,6 +1,8 @@
 """The login side after the plan: start the supervisor (an sbatch allocation, or a local process), follow the run,
-and resubmit when the allocation itself ended without a summary (supervisor node lost, time limit, preemption),
-excluding the nodes the journal names as bad, at most supervisor.max_resubmits times.
+and resubmit when the allocation itself ended without a summary (time limit, preemption, supervisor node lost),
+excluding the nodes the journal names as bad and asking for fewer buffers when the partition cannot give them. A
+clean time-limit/preemption checkpoint makes the next allocation a continuation; supervisor.max_resubmits counts only
+the allocations lost without one (see allocation_verdict).
 
 Everything it needs is in the run directory, so `moe-launch attach` runs the same follow loop after the original
 login session died.
@@ -19,13 +21,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from moe_launch.conf.schema import RootConfig
+from moe_launch.conf.schema import ClusterConfig, RootConfig, SupervisorConfig
 from moe_launch.errors import ConfigError, SubmissionError
 from moe_launch.orchestrator import slurm
 from moe_launch.orchestrator.live import LiveView
-from moe_launch.orchestrator.plan import LaunchPlan, plan
+from moe_launch.orchestrator.plan import LaunchPlan, PartitionInfo, plan
 from moe_launch.orchestrator.render import render_sbatch
-from moe_launch.orchestrator.state import SupervisorState, replay
+from moe_launch.orchestrator.state import Action, SupervisorState, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.supervisor import STOP_FILE
 from moe_launch.rundir import RunDir, journal_event, read_jsonl
@@ -205,6 +207,34 @@ def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, 
     return True
 
 
+def allocation_verdict(continuation: bool, records: list[dict[str, Any]], started: int,
+                       sup: SupervisorConfig) -> Optional[str]:
+    """Pure: why the run stops instead of getting allocation number `started` (0-based), or None to resubmit.
+    `continuation`: the ended allocation's trainer checkpointed cleanly on a time-limit or preemption signal. Such
+    allocations are planned (a two-week run on 24-hour limits needs 14), so they never use up
+    supervisor.max_resubmits, which counts allocations lost without a clean checkpoint; supervisor.max_allocations
+    (0: none) caps them all."""
+    if sup.max_allocations and started >= sup.max_allocations:
+        return (f"supervisor.max_allocations={sup.max_allocations} allocation(s) used up. Checkpoints are kept: "
+                f"`moe-launch attach` after raising it resumes from them")
+    lost = sum(1 for r in records if r.get("kind") == "resubmit" and not r["details"].get("continuation"))
+    if not continuation and lost >= sup.max_resubmits:
+        return (f"the allocation ended without a clean checkpoint {lost + 1} time(s); supervisor.max_resubmits="
+                f"{sup.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising it, or start "
+                f"a new run resuming from them")
+    return None
+
+
+def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], exclude: tuple[str, ...]) -> int:
+    """Pure: the buffer count a resubmission asks for: cluster.buffers, or fewer when the partition, less the excluded
+    and unavailable nodes, cannot give N + B any more (down to 0). A job asking for more would never start, or be
+    refused."""
+    if part is None:
+        return cluster.buffers
+    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
+    return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
+
+
 def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]], started: int) -> None:
     state = replay(records, cfg.cluster.nodes, cfg.supervisor.max_restarts)
     resubmits = started - 1
@@ -212,26 +242,54 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
     if (rd.root / STOP_FILE).exists():
         reason = "stopped by the user before the allocation ran"
         return _final(rd, state, wall, "stopped", reason, resubmits)
-    if resubmits >= cfg.supervisor.max_resubmits:
-        reason = (f"the allocation ended without finishing the run {started} time(s); supervisor.max_resubmits="
-                  f"{cfg.supervisor.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising "
-                  f"it, or start a new run resuming from them")
-        return _final(rd, state, wall, "failed", reason, resubmits)
-    # the supervisor's own lost node is known only to the login side; the supervisor state knows the others
-    lost = [n for r in records if r.get("kind") == "failure" and r["details"].get("supervisor_lost")
-            for n in r["nodes"]]
-    excluded = tuple(dict.fromkeys([*(state.excluded if state else ()), *lost]))
+    continuation = state is not None and state.status == "preempted"
+    why_stop = allocation_verdict(continuation, records, started, cfg.supervisor)
+    allocs = [r for r in records if r.get("kind") == "allocation"]  # name the node the ended supervisor ran on
+    lost_host = allocs[-1]["details"].get("supervisor_host") if allocs else None
+    # the supervisor's own lost node is known only to the login side, and so are nodes that died with it; they are
+    # journaled as an action, so replay (the next supervisor, the summary) counts them as excluded
+    newly = _nodes_lost_with_allocation(cfg, records, allocs[-1]["nodes"] if allocs else [], state)
+    if newly:
+        journal_event(rd, "exclude", tuple(newly), reason="lost with the allocation",
+                      action=Action(kind="update", exclude=newly, reason="lost with the allocation").to_json())
+        state = replay(read_jsonl(rd.journal), cfg.cluster.nodes, cfg.supervisor.max_restarts)
+    if why_stop:
+        return _final(rd, state, wall, "failed", why_stop, resubmits)
+    excluded = tuple(dict.fromkeys([*(state.excluded if state else ()), *newly]))
     try:
-        p = make_plan(cfg, rd.root, excluded)
+        part, _ = partition_and_quarantine(cfg)
+        buffers = buffers_for_resubmit(cfg.cluster, part, tuple(dict.fromkeys([*cfg.cluster.exclude, *excluded])))
+        if buffers < cfg.cluster.buffers:
+            journal_event(rd, "info", (), message=f"resubmitting with {buffers} buffer node(s) instead of "
+                          f"cluster.buffers={cfg.cluster.buffers}: the partition has no more usable nodes "
+                          f"({len(excluded)} excluded)", warning=True)
+        p = make_plan(replace(cfg, cluster=replace(cfg.cluster, buffers=buffers)), rd.root, excluded)
         handle = start_allocation(p, rd, started)
     except (ConfigError, SubmissionError) as e:
         return _final(rd, state, wall, "failed", f"the allocation ended and a new one cannot be submitted: {e}",
                       resubmits)
-    allocs = [r for r in records if r.get("kind") == "allocation"]  # name the node the ended supervisor ran on
-    lost_host = allocs[-1]["details"].get("supervisor_host") if allocs else None
     journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
-                  previous_supervisor_host=lost_host,
-                  reason="the allocation ended without a summary (supervisor node lost, time limit or preemption)")
+                  previous_supervisor_host=lost_host, continuation=continuation, buffers=buffers,
+                  reason="continuation after a clean time-limit/preemption checkpoint" if continuation else
+                  "the allocation ended without a clean checkpoint (supervisor node lost, hard time limit, ...)")
+
+
+def _nodes_lost_with_allocation(cfg: RootConfig, records: list[dict[str, Any]], nodes: list[str],
+                                state: Optional[SupervisorState]) -> dict[str, str]:
+    """Nodes of the ended allocation not yet excluded that were lost: the supervisor's node (seen by the login side),
+    and those the scheduler now reports down or not responding."""
+    known = set(state.excluded) if state else set()
+    lost = {n: "the supervisor's node was lost" for r in records if r.get("kind") == "failure"
+            and r["details"].get("supervisor_lost") for n in r["nodes"]}
+    if cfg.cluster.kind == "slurm" and nodes:
+        try:
+            down = slurm.partition_info(cfg.cluster.partition)
+        except SubmissionError:
+            down = None
+        for n in nodes:
+            if down is not None and n in down.unavailable:
+                lost.setdefault(n, "down when its allocation ended")
+    return {n: why for n, why in lost.items() if n not in known}
 
 
 def _final(rd: RunDir, state, wall: float, status: str, reason: str, resubmits: int) -> None:

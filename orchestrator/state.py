@@ -116,23 +116,40 @@ def apply(state: SupervisorState, action: Action) -> SupervisorState:
     return s  # update
 
 
+# exclusions that only record a failed check: a new start checks those nodes again instead of inheriting them
+CHECK_EXCLUSIONS = ("preflight failed", "failed re-check")
+NEW_START = "new_start"  # detail of the journal record a start of an existing run writes before its allocation
+
+
+def carried_exclusions(excluded: dict[str, str], new_start: bool) -> dict[str, str]:
+    """Pure: what the next allocation inherits. A resubmission keeps every exclusion; a new start by the user keeps
+    the hard failures (node lost, faults) and re-checks nodes that only failed a check."""
+    return {n: why for n, why in excluded.items() if not (new_start and why.startswith(CHECK_EXCLUSIONS))}
+
+
 def replay(records: Iterable[dict[str, Any]], want: int, max_restarts: int) -> Optional[SupervisorState]:
     """Rebuild the state from journal records. The latest `allocation` record starts a (resubmitted) supervisor's
-    state; actions after it fold in. None if no allocation was journaled yet."""
+    state; actions after it fold in. A NEW_START record (the user ran moe-launch again) before an allocation makes it
+    a new start: check exclusions are dropped and the restart budget is fresh. None if no allocation was journaled
+    yet."""
     state: Optional[SupervisorState] = None
+    new_start = False
     for rec in records:
         d = rec.get("details") or {}
-        if rec.get("kind") == "allocation" and "nodes" in rec:
+        if d.get(NEW_START):
+            new_start = state is not None
+        elif rec.get("kind") == "allocation" and "nodes" in rec:
             prev = state
             state = initial_state(
                 want, max_restarts, rec["nodes"],
-                excluded=prev.excluded if prev else d.get("excluded"),
-                restarts=prev.restarts if prev else 0,
+                excluded=carried_exclusions(prev.excluded, new_start) if prev else d.get("excluded"),
+                restarts=prev.restarts if prev and not new_start else 0,
                 attempt=prev.attempt if prev else -1,
                 swapped=prev.swapped if prev else (),
             )
             if prev:
                 state = replace(state, faults=prev.faults)
+            new_start = False
         elif state is not None and isinstance(d.get("action"), dict):
             state = apply(state, Action.from_json(d["action"]))
     return state

@@ -7,7 +7,9 @@ stderr as it arrives), fault records, heartbeats (hang / launch timeout), the sc
 
 A supervisor started on a new allocation (the login side resubmitted) rebuilds the earlier state from the journal, so
 exclusions, restart counts and attempt numbers carry over, and the trainer resumes from its checkpoints.
-Exit code: 0 when the run completed, 1 when it stopped for any other reason.
+Exit code (the batch script's, so what sacct shows): 0 when the run completed, and also when the trainer checkpointed
+cleanly on a time-limit or preemption signal (a continuation: the login side submits the next allocation, and sacct
+must not list a planned time-limit chain as FAILED); 1 when the run stopped for any other reason.
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class Supervisor:
         wall = time.time() - (records[0]["time"] if records else time.time())
         if self.state.status != "preempted":  # preempted: the login side resubmits; the run is not over
             write_summary(self.rd, build_summary(self.rd, self.state, wall, resubmits=_resubmits(records)))
-        return 0 if self.state.status == "completed" else 1
+        return 0 if self.state.status in ("completed", "preempted") else 1
 
     # ---- side effects -------------------------------------------------------------------------------------------
     def _launch(self) -> None:
