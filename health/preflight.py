@@ -156,8 +156,10 @@ def _sizes(cfg: HealthConfig, cluster: ClusterConfig) -> list[int]:
 
 
 def alltoall_step(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, work: Path, data: dict,
-                  run: str, force_record: bool = False) -> tuple[A2ARun, str, list[str], Optional[float], bool]:
-    """Step 3. Returns (run, status, reasons, baseline busbw, baselines changed)."""
+                  run: str, force_record: bool = False,
+                  judge_bandwidth: bool = True) -> tuple[A2ARun, str, list[str], Optional[float], bool]:
+    """Step 3. Returns (run, status, reasons, baseline busbw, baselines changed). Without judge_bandwidth only wrong
+    elements fail it, and no baseline is read or recorded."""
     sizes = _sizes(cfg, cluster)
     a2a = run_alltoall(nodes, sizes, cfg, cluster, work, f"all-{len(nodes)}")
     if a2a.error:
@@ -167,10 +169,10 @@ def alltoall_step(nodes: list[str], cfg: HealthConfig, cluster: ClusterConfig, w
     def key(size: int) -> baselines.A2AKey:
         return baselines.A2AKey(cluster.name, len(nodes), rpn, size, a2a.backend)
 
-    base = None if force_record else baselines.a2a_baseline(data, key(sizes[-1]))
+    base = None if force_record or not judge_bandwidth else baselines.a2a_baseline(data, key(sizes[-1]))
     status, reasons = baselines.judge_alltoall(a2a.rows, base, cfg.alltoall.threshold)
     changed = False
-    if status == "pass":
+    if status == "pass" and judge_bandwidth:
         for size, row in zip(sizes, a2a.rows):
             if force_record or baselines.a2a_baseline(data, key(size)) is None:
                 baselines.record_alltoall(data, key(size), row, nodes, run)
@@ -203,7 +205,9 @@ def _fail_reasons(results: list[CheckResult]) -> dict[str, list[str]]:
 
 
 def run_preflight(nodes: list[str], health_cfg: HealthConfig, cluster_cfg: ClusterConfig, out_dir: Path,
-                  run_name: str, force_baseline: bool = False) -> PreflightResult:
+                  run_name: str, force_baseline: bool = False, judge_bandwidth: bool = True) -> PreflightResult:
+    """judge_bandwidth=False: the all-to-all checks correctness only (nodes that share one machine's cores have no
+    bandwidth of their own to compare with a baseline)."""
     t0 = time.time()
     cfg, cluster = health_cfg, cluster_cfg
     work = _next_attempt_dir(Path(out_dir))
@@ -227,7 +231,8 @@ def run_preflight(nodes: list[str], health_cfg: HealthConfig, cluster_cfg: Clust
 
     a2a_info, iso_info = None, None
     if cfg.alltoall.enabled and len(survivors) * cluster.tasks_per_node >= 2:
-        a2a, status, reasons, base, ch = alltoall_step(survivors, cfg, cluster, work, data, run_name, force_baseline)
+        a2a, status, reasons, base, ch = alltoall_step(survivors, cfg, cluster, work, data, run_name, force_baseline,
+                                                       judge_bandwidth)
         changed |= ch
         busbw = a2a.rows[-1].busbw_gbs if a2a.rows else None
         a2a_info = {"nodes": survivors, "sizes": a2a.sizes, "backend": a2a.backend, "status": status,

@@ -137,7 +137,7 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     from moe_launch.conf.schema import all_problems
     from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
-    from moe_launch.orchestrator.start import start_run
+    from moe_launch.orchestrator.start import earlier_exclusions, start_run
     from moe_launch.rundir import RunDir
     from moe_launch.trainer.data.check import check_data
 
@@ -156,8 +156,12 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     except DataError as e:
         return _fail(f"refused before submission: {e}")
     cfg.run.name = run_dir.name  # the directory is the run's name (multirun jobs get numbered directories)
+    carried = earlier_exclusions(cfg, RunDir(run_dir)) if cfg.cluster.kind == "slurm" else {}
+    if carried:
+        print("moe-launch: excluding node(s) that failed in earlier starts of this run: " +
+              "; ".join(f"{n} ({why})" for n, why in carried.items()), file=sys.stderr)
     try:
-        p = login.make_plan(cfg, run_dir)
+        p = login.make_plan(cfg, run_dir, tuple(carried))
     except (ConfigError, SubmissionError) as e:
         return _fail(f"refused before submission: {e}")
     for w in p.warnings:
