@@ -253,6 +253,10 @@ class TrainConfig:
     # after a start from a model-only checkpoint (model.init_from=ckpt:, or a spike rollback) with its fresh
     # optimizer: the learning rate ramps up linearly over this many steps (0: the schedule's own value at once)
     rewarmup_steps: int = 0
+    # the expert stage of a micro-batch must fit in this fraction of the device memory; when its worst case (every
+    # routed row landing on this rank) would not, it runs in checkpointed row chunks (trainer/moe/skew.py)
+    max_memory_fraction: float = 0.9
+    expert_load_alert: float = 4.0  # journal a layer whose global max/mean expert load exceeds this (0: never)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     log_interval: int = 1
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
@@ -291,6 +295,9 @@ class TrainConfig:
         _require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
         _require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
         _require(self.rewarmup_steps >= 0, "train.rewarmup_steps", "is negative", "use 0 or a step count")
+        _require(0 < self.max_memory_fraction <= 1, "train.max_memory_fraction", f"got {self.max_memory_fraction}",
+                 "use a fraction in (0, 1], e.g. 0.9")
+        _require(self.expert_load_alert >= 0, "train.expert_load_alert", "is negative", "use 0 (off) or e.g. 4.0")
         _require(self.spike.action != "rollback" or self.model_ckpt_interval > 0, "train.spike.action",
                  "rollback restarts from a persistent model checkpoint, but train.model_ckpt_interval=0 writes none",
                  "set train.model_ckpt_interval (e.g. 100), or use train.spike.action=skip / stop")

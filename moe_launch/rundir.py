@@ -36,7 +36,7 @@ EXIT_CHECKPOINT_WRITE = 8  # checkpoints kept failing to persist (ENOSPC, EIO, r
 
 JOURNAL_KINDS = (
     "start", "allocation", "preflight", "launch", "failure", "exclude", "swap", "resume", "straggler",
-    "checkpoint", "fault", "spike", "stop", "done", "resubmit", "attach", "info",
+    "checkpoint", "fault", "spike", "skew", "stop", "done", "resubmit", "attach", "info",
 )
 
 

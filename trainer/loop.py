@@ -50,6 +50,16 @@ from moe_launch.trainer.metrics import (
 )
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
+from moe_launch.trainer.moe.layer import MoELayer
+from moe_launch.trainer.moe.skew import (
+    ChunkedExperts,
+    expert_row_bytes,
+    free_memory_bytes,
+    install_skew_guard,
+    load_alerts,
+    rows_budget,
+    worst_case_rows,
+)
 from moe_launch.trainer.optim import clip_norm_at, lr_at, rewarmup_factor
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
@@ -187,6 +197,7 @@ class Trainer:
         cast_parameters(self.model, self.param_dtype)
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         self.balancer = BiasBalancer.of(self.model, cfg.model.moe.bias_update_rate, self.groups.dp_ep)
+        self.skew_guards = self._install_skew_guard()  # after the model and optimizer: sized by what is left
         if self.resume.path is not None:
             self._load_optimizer_and_rng(self.resume.path)
             saved_state = ckpt_state.load_trainer_state(self.resume.path)
@@ -420,6 +431,7 @@ class Trainer:
         write_heartbeat(self.run_dir, self.rank, done, self.host)
         if done % t.log_interval == 0 or done == t.steps:  # every rank: the expert counts are all-reduced
             counts_LE = self._global_counts(per_layer)
+            self._skew_records(done, counts_LE)
             if sink is not None:
                 sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer, counts_LE))
         if t.step_sleep_s:
@@ -478,6 +490,35 @@ class Trainer:
                           skip_batches=list(plan.skip) if plan else None)
             print(f"[trainer] spike: {why} -> {action}", flush=True)
         return code
+
+    def _install_skew_guard(self) -> list[ChunkedExperts]:
+        """Worst-case expert rows of a micro-batch against the memory left under train.max_memory_fraction; chunk
+        the expert stage of every MoE layer when the worst case does not fit (trainer/moe/skew.py)."""
+        m, t = self.cfg.model, self.cfg.train
+        layers = [mod for mod in self.model.modules() if isinstance(mod, MoELayer)]
+        if not layers:
+            return []
+        worst = worst_case_rows(t.micro_batch_size * t.seq_len, m.moe.top_k, self.groups.ep_size, m.moe.dispatcher)
+        row_bytes = expert_row_bytes(m.d_model, m.moe.expert_hidden, self.dtype.itemsize)
+        budget = rows_budget(free_memory_bytes(self.device, t.max_memory_fraction), row_bytes, len(layers))
+        if self.rank == 0:
+            journal_event(self.run_dir, "skew", [], worst_case_rows=worst, row_bytes=row_bytes,
+                          worst_case_bytes=worst * row_bytes * len(layers), rows_budget=budget,
+                          chunked=worst > budget, max_memory_fraction=t.max_memory_fraction)
+        return install_skew_guard(layers, budget) if worst > budget else []
+
+    def _skew_records(self, done: int, counts_LE: Optional[torch.Tensor]) -> None:
+        """Journal the expert calls the guard chunked since the last log step (any rank) and, from rank 0, the layers
+        whose global max/mean expert load is above train.expert_load_alert."""
+        chunked = [e for g in self.skew_guards for e in g.drain()]
+        if chunked:
+            journal_event(self.run_dir, "skew", [self.host], step=done, rank=self.rank, chunked_calls=len(chunked),
+                          max_rows=max(r for r, _ in chunked), max_chunks=max(c for _, c in chunked))
+        alerts = load_alerts(counts_LE, self.cfg.train.expert_load_alert) if counts_LE is not None else []
+        if alerts and self.rank == 0:
+            journal_event(self.run_dir, "skew", [], step=done, alert="expert load max/mean above "
+                          f"train.expert_load_alert={self.cfg.train.expert_load_alert}",
+                          layers={str(i): round(r, 3) for i, r in alerts})
 
     def _stage_loads(self, per_layer: list) -> list[torch.Tensor]:
         """This step's expert load of each MoE layer held here (a pipeline reports every layer of the model)."""
