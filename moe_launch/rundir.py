@@ -14,11 +14,13 @@ runs/<name>/
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,12 +131,18 @@ def slurm_node_of_host(scontrol_nodes: str, host: str) -> Optional[str]:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line. A single O_APPEND write keeps lines whole when several processes append."""
+    """Append one JSON line. A single O_APPEND write keeps lines whole when several processes append. A file whose
+    last line was torn (a writer died, or the disk filled, mid-write) gets a newline first, so the torn line never
+    swallows this record; a short write (disk full) raises ENOSPC naming the file."""
     line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, line)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
+        if os.write(fd, line) < len(line):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     finally:
         os.close(fd)
 
@@ -148,16 +156,25 @@ def journal_event(run_dir: Path | RunDir, kind: str, nodes: Iterable[str] = (), 
     return event
 
 
+_TORN_WARNED: set[tuple[str, int]] = set()
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Read a JSON-lines file, ignoring a torn last line (a writer killed mid-write)."""
+    """Read a JSON-lines file, skipping torn lines (a writer killed, or the disk full, mid-write) with a warning on
+    stderr, once per line."""
     if not path.exists():
         return []
     out = []
-    for line in path.read_text().splitlines():
+    for i, line in enumerate(path.read_text(errors="replace").splitlines()):
+        if not line.strip():
+            continue
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            if (str(path), i) not in _TORN_WARNED:
+                _TORN_WARNED.add((str(path), i))
+                print(f"warning: {path} line {i + 1} is torn (its writer died or the disk filled mid-write); "
+                      f"skipped: {line[:80]!r}", file=sys.stderr)
     return out
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from moe_launch.conf.schema import ClusterConfig, RootConfig, SupervisorConfig
 from moe_launch.errors import ConfigError, SubmissionError
 from moe_launch.orchestrator import slurm
+from moe_launch.orchestrator.last_record import DISK_FULL, disk_full_reason, no_space_reason
 from moe_launch.orchestrator.live import LiveView
 from moe_launch.orchestrator.plan import LaunchPlan, PartitionInfo, plan
 from moe_launch.orchestrator.render import render_sbatch
@@ -129,7 +130,7 @@ def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
         if view is not None:
             view.update()
             view.close()
-    summary = read_summary(rd)
+    summary = read_summary(rd) or _UNWRITTEN.get(str(rd.root), {})
     print(f"run {summary.get('status')}: {summary.get('reason', '')}\n  outputs: {rd.root}", file=sys.stderr)
     return 0 if summary.get("status") == "completed" else 1
 
@@ -158,7 +159,7 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
     while True:
         if view is not None:
             view.update()
-        if rd.summary.exists():
+        if rd.summary.exists() or str(rd.root) in _UNWRITTEN:
             return
         records = read_jsonl(rd.journal)
         started = handles(records)
@@ -172,7 +173,11 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         elif time.monotonic() - gone_since > _GONE_GRACE_S and not rd.summary.exists() and lock.acquire():
             fresh = read_jsonl(rd.journal)  # another follower may have resubmitted before we got the lock
             if handles(fresh)[-1]["handle"] == last["handle"]:
-                _allocation_ended(cfg, rd, fresh, len(handles(fresh)))
+                try:
+                    _allocation_ended(cfg, rd, fresh, len(handles(fresh)))
+                except OSError as e:  # our own writes failed (disk full, ...): stop, and say why
+                    why = no_space_reason(e, str(rd.root)) if e.errno in DISK_FULL else f"the login side failed: {e}"
+                    _final(rd, None, time.time() - fresh[0]["time"], "failed", why, len(handles(fresh)) - 1)
             gone_since = None
         time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
 
@@ -242,6 +247,9 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
     if (rd.root / STOP_FILE).exists():
         reason = "stopped by the user before the allocation ran"
         return _final(rd, state, wall, "stopped", reason, resubmits)
+    full = disk_full_reason(rd, records)
+    if full:  # a new allocation would fail the same way
+        return _final(rd, state, wall, "failed", full, resubmits)
     continuation = state is not None and state.status == "preempted"
     why_stop = allocation_verdict(continuation, records, started, cfg.supervisor)
     allocs = [r for r in records if r.get("kind") == "allocation"]  # name the node the ended supervisor ran on
@@ -292,10 +300,16 @@ def _nodes_lost_with_allocation(cfg: RootConfig, records: list[dict[str, Any]], 
     return {n: why for n, why in lost.items() if n not in known}
 
 
+_UNWRITTEN: dict[str, dict[str, str]] = {}  # run dir -> the outcome this process could not write (disk full, ...)
+
+
 def _final(rd: RunDir, state, wall: float, status: str, reason: str, resubmits: int) -> None:
     st = state or SupervisorState(want=0, max_restarts=0)
-    journal_event(rd, "stop", (), reason=reason, status=status)
-    write_summary(rd, build_summary(rd, st, wall, status=status, reason=reason, resubmits=resubmits))
+    try:
+        journal_event(rd, "stop", (), reason=reason, status=status)
+        write_summary(rd, build_summary(rd, st, wall, status=status, reason=reason, resubmits=resubmits))
+    except OSError as e:  # the outcome still reaches the terminal
+        _UNWRITTEN[str(rd.root)] = {"status": status, "reason": f"{reason} (not recorded: {e})"}
 
 
 def read_summary(rd: RunDir) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from moe_launch.orchestrator.events import (
     StopRequested,
     SuspectChecked,
 )
+from moe_launch.orchestrator.last_record import run_recorded
 from moe_launch.orchestrator.local_cluster import LocalCluster
 from moe_launch.orchestrator.plan import trainer_argv
 from moe_launch.orchestrator.recovery import resume_details
@@ -302,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     rd = RunDir(args.run_dir.absolute()).make()
     cfg = load_config(rd.config)
-    return Supervisor(cfg, rd).run()
+    return run_recorded(Supervisor(cfg, rd))  # SIGTERM and a full disk still leave a record
 
 
 if __name__ == "__main__":
