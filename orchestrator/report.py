@@ -1,19 +1,21 @@
-"""Plots of finished (or running) runs: `moe-launch report runs/<name>` -> runs/<name>/plots/*.png.
+"""`moe-launch report runs/<name> [more runs]`: plots and one self-contained report.html per run (or overlay).
 
-  loss.png          LM loss per step; one line per run, so a dense baseline and its MoE overlay in one figure
-  grad_norm.png     global gradient norm per step (the handbook compares it between dense and MoE)
-  step_time.png     seconds per optimizer step (step_time_s when logged, else from the records' wall times)
-  expert_load.png   heatmap layer x expert of load / mean load over the run (needs `expert_counts` in metrics)
-  expert_balance.png  busiest expert / mean per step (expert_load_max, expert_load_mean) for MoE runs
+  loss.png         LM, aux and z loss per step (three panels)     lr.png, grad_norm.png, tokens_per_s.png
+  mfu.png          MFU against the data-sheet peak and the preflight-measured GEMM rate (when logged)
+  step_time.png    seconds per optimizer step                     expert_load.png  layer x expert load over steps
+  expert_balance.png  busiest expert / mean per step
+Every line plot marks the run's journal events on its step axis: failures and faults, node swaps, restarts and
+resubmissions, checkpoints. Legends name what differs between the runs (the sweep's overrides, e.g. train.lr=1e-3).
 
-Reading is separated from drawing: `read_run` turns a run directory into plain arrays (tested on its own),
-`make_plots` draws them with matplotlib's object API (no pyplot global state, no display needed).
-A resumed run logs some steps twice (the steps after the checkpoint it resumed from); the LAST record of a step
-wins, since that is the one the surviving trajectory continued from.
+Reading (this file) is separated from drawing (report_plots.py) and the page (report_html.py): `read_run` turns a run
+directory into plain arrays and events, tested on its own. A resumed run logs some steps twice (the steps after the
+checkpoint it resumed from); the LAST record of a step wins, since that is the one the surviving trajectory continued
+from.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,22 +25,49 @@ import numpy as np
 
 from moe_launch.rundir import RunDir, read_jsonl
 
+# metrics.jsonl key(s) -> RunSeries column; the first key present in a record wins
+COLUMNS = {
+    "loss": ("lm_loss", "loss"), "total_loss": ("loss",), "aux_loss": ("aux_loss",), "z_loss": ("z_loss",),
+    "lr": ("lr",), "grad_norm": ("grad_norm",), "tokens_per_s": ("tokens_per_s",), "mfu": ("mfu",),
+    "mfu_gemm": ("mfu_gemm",), "load_max": ("expert_load_max",), "load_mean": ("expert_load_mean",),
+    "time": ("time",),
+}
+# journal kind -> (event class drawn on the plots, label)
+EVENT_KINDS = {
+    "failure": ("failure", "failure"), "fault": ("failure", "NaN/Inf fault"), "spike": ("failure", "loss spike"),
+    "swap": ("swap", "node swap"), "exclude": ("swap", "node excluded"),
+    "resume": ("restart", "restart"), "resubmit": ("restart", "resubmission"),
+    "checkpoint": ("checkpoint", "checkpoint"), "stop": ("stop", "stop"),
+}
+_HIDDEN_OVERRIDES = ("run.name=", "run.root=", "hydra.", "++hydra.", "dry_run=")
+
+
+@dataclass
+class Event:
+    step: float  # on the step axis (from the event's own step, else interpolated from its time)
+    time: float
+    kind: str  # failure | swap | restart | checkpoint | stop
+    what: str  # label for tables: "node swap: node3 -> node7"
+
 
 @dataclass
 class RunSeries:
     name: str
     kind: str  # dense | moe | ? (config.yaml unreadable)
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    loss: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    grad_norm: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    cols: dict[str, np.ndarray] = field(default_factory=dict)  # COLUMNS keys, aligned with steps; NaN = not logged
     step_time: np.ndarray = field(default_factory=lambda: np.zeros(0))  # aligned with steps; NaN where unknown
-    load_max: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    load_mean: np.ndarray = field(default_factory=lambda: np.zeros(0))
-    load_LE: Optional[np.ndarray] = None  # mean over logged steps of per-expert load / layer mean
+    load_SLE: Optional[np.ndarray] = None  # per logged step (with counts): expert load / layer mean
+    load_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the steps of load_SLE
+    events: list[Event] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
 
     @property
-    def label(self) -> str:
-        return self.name if self.kind in ("?", "") or self.kind in self.name else f"{self.name} ({self.kind})"
+    def load_LE(self) -> Optional[np.ndarray]:
+        """[L, E] mean over logged steps of per-expert load / layer mean (1.0 = balanced)."""
+        return None if self.load_SLE is None else self.load_SLE.mean(axis=0)
 
 
 def last_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,7 +80,7 @@ def _column(records: list[dict[str, Any]], *keys: str) -> np.ndarray:
     """The first of `keys` present in each record, as floats (NaN where none is)."""
     out = []
     for r in records:
-        value = next((r[k] for k in keys if isinstance(r.get(k), (int, float))), None)
+        value = next((r[k] for k in keys if isinstance(r.get(k), (int, float)) and not isinstance(r[k], bool)), None)
         out.append(float(value) if value is not None else np.nan)
     return np.asarray(out, dtype=np.float64)
 
@@ -73,9 +102,10 @@ def step_times(records: list[dict[str, Any]]) -> np.ndarray:
     return dt
 
 
-def load_matrix(records: list[dict[str, Any]]) -> Optional[np.ndarray]:
-    """[L, E] mean over records of counts / mean count of that layer (1.0 = balanced); None if never logged."""
-    mats = []
+def load_per_step(records: list[dict[str, Any]]) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """(steps, [S, L, E] counts / layer mean count) over the records with expert_counts; None if never logged or
+    the shape changed (a different model resumed under the same name)."""
+    steps, mats = [], []
     for r in records:
         counts = r.get("expert_counts")
         if not counts:
@@ -83,9 +113,46 @@ def load_matrix(records: list[dict[str, Any]]) -> Optional[np.ndarray]:
         c_LE = np.asarray(counts, dtype=np.float64)
         mean_L1 = c_LE.mean(axis=1, keepdims=True)
         mats.append(np.divide(c_LE, mean_L1, out=np.zeros_like(c_LE), where=mean_L1 > 0))
+        steps.append(float(r.get("step", len(steps) + 1)))
     if not mats or len({m.shape for m in mats}) != 1:
-        return None
-    return np.mean(mats, axis=0)
+        return np.zeros(0), None
+    return np.asarray(steps), np.stack(mats)
+
+
+def load_matrix(records: list[dict[str, Any]]) -> Optional[np.ndarray]:
+    """[L, E] mean over records of counts / mean count of that layer (1.0 = balanced); None if never logged."""
+    _, load_SLE = load_per_step(records)
+    return None if load_SLE is None else load_SLE.mean(axis=0)
+
+
+def _describe(kind: str, details: dict[str, Any], nodes: list[str]) -> str:
+    label = EVENT_KINDS[kind][1]
+    if kind == "swap" and "out" in details:
+        return f"{label}: {details.get('out')} -> {details.get('in')}"
+    why = details.get("reason") or details.get("what") or details.get("slot") or ""
+    where = ", ".join(nodes)
+    return ": ".join(x for x in (label, where, str(why)[:160]) if x)
+
+
+def journal_events(journal: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[Event]:
+    """Pure: the journal's failures, swaps, restarts, checkpoints and stops placed on the step axis. An event that
+    names its step keeps it; others are interpolated from the metrics' (time, step) pairs."""
+    t_S, s_S = _column(records, "time"), _column(records, "step")
+    ok = np.isfinite(t_S)
+    out = []
+    for e in journal:
+        if e.get("kind") not in EVENT_KINDS:
+            continue
+        details = e.get("details") or {}
+        t = float(e.get("time", 0.0))
+        if isinstance(details.get("step"), (int, float)):
+            step = float(details["step"])
+        elif ok.any():
+            step = float(np.interp(t, t_S[ok], s_S[ok]))
+        else:
+            step = 0.0
+        out.append(Event(step, t, EVENT_KINDS[e["kind"]][0], _describe(e["kind"], details, e.get("nodes") or [])))
+    return sorted(out, key=lambda ev: ev.time)
 
 
 def _kind_of(rd: RunDir) -> str:
@@ -97,99 +164,61 @@ def _kind_of(rd: RunDir) -> str:
         return "?"
 
 
+def run_overrides(rd: RunDir) -> list[str]:
+    """The command-line overrides the run was started with (Hydra's .hydra/overrides.yaml), less bookkeeping ones."""
+    import yaml
+
+    try:
+        overrides = yaml.safe_load((rd.root / ".hydra" / "overrides.yaml").read_text()) or []
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in overrides if not str(o).startswith(_HIDDEN_OVERRIDES)]
+
+
+def legend_labels(series: list[RunSeries]) -> list[str]:
+    """What tells the runs apart: the overrides that differ between them (the sweep's values: "train.lr=1e-3"),
+    else the run name; a single run shows its name and its overrides."""
+    from moe_launch.orchestrator.sweep import varied
+
+    if len(series) == 1:
+        s = series[0]
+        return [" ".join([s.name, *s.overrides]) if s.overrides else s.name]
+    shown = varied([{"overrides": s.overrides} for s in series])
+    return [" ".join(o) if o else s.name for s, o in zip(series, shown)]
+
+
 def read_run(run_dir: str | Path) -> RunSeries:
     rd = RunDir(Path(run_dir))
     records = last_per_step(read_jsonl(rd.metrics))
-    return RunSeries(
-        name=rd.root.name, kind=_kind_of(rd), steps=_column(records, "step"), loss=_column(records, "lm_loss", "loss"),
-        grad_norm=_column(records, "grad_norm"), step_time=step_times(records),
-        load_max=_column(records, "expert_load_max"), load_mean=_column(records, "expert_load_mean"),
-        load_LE=load_matrix(records),
-    )
-
-
-def _line_plot(series: list[RunSeries], attr: str, ylabel: str, title: str, path: Path, log_y: bool = False) -> Path:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    ax = fig.add_subplot()
-    for s in series:
-        y = getattr(s, attr)
-        ok = np.isfinite(y)
-        ax.plot(s.steps[ok], y[ok], marker="." if ok.sum() < 40 else None, label=s.label)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    if log_y:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
-
-
-def _heatmaps(series: list[RunSeries], path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 2.2 + 2.0 * len(series)), dpi=110)
-    axes = fig.subplots(len(series), 1, squeeze=False)[:, 0]
-    for ax, s in zip(axes, series):
-        L, E = s.load_LE.shape
-        im = ax.imshow(s.load_LE, aspect="auto", cmap="viridis", interpolation="nearest")
-        ax.set_title(f"{s.label}: expert load / mean, averaged over {len(s.steps)} logged steps")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("MoE layer")
-        ax.set_yticks(range(L))
-        fig.colorbar(im, ax=ax, label="load / mean")
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
-
-
-def _balance(series: list[RunSeries], path: Path) -> Path:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    ax = fig.add_subplot()
-    for s in series:
-        for y, style, what in ((s.load_max, "-", "max over layers"), (s.load_mean, "--", "mean over layers")):
-            ok = np.isfinite(y)
-            ax.plot(s.steps[ok], y[ok], style, label=f"{s.label}, {what}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("busiest expert / mean")
-    ax.set_title("Expert load imbalance (1.0 = balanced)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    load_steps, load_SLE = load_per_step(records)
+    try:
+        summary = json.loads(rd.summary.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    s = RunSeries(name=rd.root.name, kind=_kind_of(rd), steps=_column(records, "step"),
+                  cols={k: _column(records, *keys) for k, keys in COLUMNS.items()}, step_time=step_times(records),
+                  load_SLE=load_SLE, load_steps=load_steps, events=journal_events(read_jsonl(rd.journal), records),
+                  overrides=run_overrides(rd), summary=summary)
+    s.label = legend_labels([s])[0]
+    return s
 
 
 def make_plots(runs: str | Path | Sequence[str | Path], out_dir: Optional[str | Path] = None) -> list[Path]:
-    """Draw the plots of one run, or of several runs overlaid (e.g. a dense/MoE sweep). Returns the files written,
-    by default into <first run>/plots/. Runs without metrics are skipped; no metrics at all writes nothing."""
+    """Draw the plots and report.html of one run, or of several runs overlaid (e.g. a sweep). Returns the files
+    written, by default into <first run>/plots/. Runs without metrics are skipped; no metrics at all writes nothing."""
+    from moe_launch.orchestrator.report_html import write_html
+    from moe_launch.orchestrator.report_plots import draw_all
+
     run_dirs = [Path(runs)] if isinstance(runs, (str, Path)) else [Path(r) for r in runs]
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "plots"
     series = [s for s in map(read_run, run_dirs) if len(s.steps)]
     if not series:
         return []
+    for s, label in zip(series, legend_labels(series)):
+        s.label = label
     out.mkdir(parents=True, exist_ok=True)
-    title = " vs ".join(s.label for s in series)
-    written = [
-        _line_plot(series, "loss", "LM loss", f"Loss: {title}", out / "loss.png"),
-        _line_plot(series, "grad_norm", "global grad norm (before clipping)", "Gradient norm", out / "grad_norm.png"),
-    ]
-    if any(np.isfinite(s.step_time).any() for s in series):
-        written.append(_line_plot(series, "step_time", "seconds", "Step time", out / "step_time.png"))
-    with_counts = [s for s in series if s.load_LE is not None]
-    if with_counts:
-        written.append(_heatmaps(with_counts, out / "expert_load.png"))
-    with_balance = [s for s in series if np.isfinite(s.load_max).any()]
-    if with_balance:
-        written.append(_balance(with_balance, out / "expert_balance.png"))
-    return written
+    pngs = draw_all(series, out)
+    return [*pngs, write_html(series, pngs, out / "report.html")]
 
 
 def main_report(run_dir: str | Path, compare: Sequence[str | Path] = (), out_dir: Optional[str | Path] = None) -> int:
