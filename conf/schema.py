@@ -442,8 +442,14 @@ class RunConfig:
     root: str = "runs"
 
     def __post_init__(self) -> None:
-        bad = set(self.name) & set("/\\\0") or self.name in ("", ".", "..")
-        _require(not bad, "run.name", f"{self.name!r} is not a valid directory name", "use letters, digits, - and _")
+        check_run_name(self.name)
+
+
+def check_run_name(name: str) -> None:
+    """The run's directory name: one path component. Also checked on the command line, before Hydra creates the
+    directory."""
+    bad = set(name) & set("/\\\0") or name in ("", ".", "..")
+    _require(not bad, "run.name", f"{name!r} is not a valid directory name", "use letters, digits, - and _")
 
 
 @dataclass

@@ -134,6 +134,7 @@ def run_app(cfg_node) -> int:
 def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_dir: Path) -> int:
     from omegaconf import OmegaConf
 
+    from moe_launch.conf.keys import unknown_keys
     from moe_launch.conf.schema import all_problems
     from moe_launch.orchestrator import local_gpus, login
     from moe_launch.orchestrator.render import render_sbatch
@@ -141,6 +142,11 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     from moe_launch.rundir import RunDir
     from moe_launch.trainer.data.check import check_data
 
+    unknown = unknown_keys(cfg_node)
+    if unknown:  # `+group.key=value` adds keys the dataclasses would silently drop
+        return _fail("bad configuration: " + "; ".join(
+            f"{key}: not a setting of moe-launch. Fix: check the spelling; known here: {', '.join(known)}"
+            for key, known in unknown))
     try:
         with all_problems():  # every bad value in one message, not one per try
             cfg = OmegaConf.to_object(cfg_node)
@@ -207,6 +213,16 @@ def _render_for_hand_submission(cfg, run_dir: Path, p) -> int:
     return 0
 
 
+def _check_run_names(argv: list[str]) -> None:
+    from moe_launch.conf.schema import check_run_name
+
+    for a in argv:
+        key, sep, value = a.lstrip("+~").partition("=")
+        if sep and key == "run.name":
+            for name in value.split(",") if any(m in argv for m in ("-m", "--multirun")) else [value]:
+                check_run_name(name.strip().strip("'\""))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:
@@ -217,6 +233,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     flags = {"--dry-run": "dry_run=true", "--render-sbatch": "render_sbatch=run",
              "--render-preflight": "render_sbatch=preflight"}
     argv = [flags.get(a, a) for a in argv]
+    try:  # Hydra creates the run directory from run.name before any check of ours: "a/b" or ".." must not get there
+        _check_run_names(argv)
+    except ConfigError as e:
+        sys.exit(_fail(f"bad configuration: {e}"))
     multirun = any(a in ("-m", "--multirun") for a in argv)
     if multirun:  # Hydra's parser wants its flags before the overrides (`--dry-run -m ...` puts one in front)
         argv = ["--multirun", *(a for a in argv if a not in ("-m", "--multirun"))]

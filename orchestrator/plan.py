@@ -114,9 +114,10 @@ def _check_partition(cfg: RootConfig, part: Optional[PartitionInfo], exclude: tu
         raise ConfigError("cluster.partition", f"partition {c.partition or '(default)'} does not exist",
                           "pick one that `sinfo -s` lists, or leave cluster.partition unset for the default")
     unknown = [n for n in c.exclude if n not in part.nodes]
-    if unknown:
-        warnings.append(f"cluster.exclude names node(s) not in partition {part.name}: {', '.join(unknown)} "
-                        f"(ignored; check the spelling)")
+    if unknown:  # a typo would otherwise let the node the user meant to avoid into the job
+        shown = ", ".join(part.nodes[:8]) + (", ..." if len(part.nodes) > 8 else "")
+        raise ConfigError("cluster.exclude", f"node(s) not in partition {part.name}: {', '.join(unknown)}",
+                          f"check the spelling; the partition's nodes are {shown}")
     exclude = tuple(n for n in exclude if n in part.nodes)
     usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
     want = c.nodes + c.buffers

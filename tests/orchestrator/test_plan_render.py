@@ -40,7 +40,7 @@ def test_render_basic_matches_golden():
         assert flag in text.splitlines()
 
 
-HOSTILE = dict(partition="$(id)", account="`id`", qos="a; rm -rf ~", exclude=["node2", "$(reboot)"],
+HOSTILE = dict(partition="$(id)", account="`id`", qos="a; rm -rf ~", exclude=["node2"],
                extra_sbatch=["--comment=$(id); rm -rf ~", "--mail-user=x'y z"], python="/opt/my env/bin/python")
 
 
@@ -53,8 +53,8 @@ def hostile_plan(python=None):
 
 def test_render_hostile_values_matches_golden_and_stays_literal():
     p = hostile_plan()
-    assert p.exclude == ("node2", "node5")  # the unknown "$(reboot)" is reported, not passed on
-    assert any("$(reboot)" in w for w in p.warnings) and any("node5" in w for w in p.warnings)
+    assert p.exclude == ("node2", "node5")
+    assert any("node5" in w for w in p.warnings)
     text = render_sbatch(p)
     check_golden("sbatch_hostile.sh", text)
     # sbatch groups quotes like the shell: every #SBATCH line must split back into exactly one literal word
@@ -64,6 +64,12 @@ def test_render_hostile_values_matches_golden_and_stays_literal():
     assert "--job-name=moe-launch:a; rm -rf ~" in [w[0] for w in words]
     assert "--comment=$(id); rm -rf ~" in [w[0] for w in words]
     assert "--mail-user=x'y z" in [w[0] for w in words]
+
+
+def test_unknown_excluded_node_is_refused():
+    """A typo in cluster.exclude would let the node the user meant to avoid into the job."""
+    with pytest.raises(ConfigError, match=r"cluster.exclude: node\(s\) not in partition debug: \$\(reboot\), node9"):
+        plan(slurm_cfg(exclude=["node2", "$(reboot)", "node9"]), PART)
 
 
 def test_rendered_script_runs_hostile_values_as_plain_arguments(tmp_path):
