@@ -398,13 +398,11 @@ class HealthConfig:
     store_dir: str = "~/.local/share/moe-launch/health"  # per-cluster history (JSON lines) and quarantine list
     quarantine_failures: int = 3  # k failures of a node within the window -> quarantined
     quarantine_window_h: float = 24.0
-    sniff_interval: int = 0  # steps between in-training all-to-all sniff tests (0 disables)
     # test hook: host -> seconds of delay added to that host's all-to-all (simulates a slow link)
     inject_delay: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require(self.quarantine_failures >= 1, "health.quarantine_failures", "must be >= 1", "use e.g. 3")
-        _require(self.sniff_interval >= 0, "health.sniff_interval", "is negative", "use 0 to disable")
         _require(0 < self.gpu_check_threshold <= 1, "health.gpu_check_threshold", f"got {self.gpu_check_threshold}",
                  "use e.g. 0.9")
 

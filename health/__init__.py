@@ -1,4 +1,4 @@
-"""Node health: DCGM, compute and all-to-all preflight, baselines, bad-node isolation, history, reports, sniffing.
+"""Node health: DCGM, compute and all-to-all preflight, baselines, bad-node isolation, history, reports.
 
 One concept per module:
   result.py      CheckResult: one check's outcome (pass | warn | fail | unavailable)
@@ -12,6 +12,5 @@ One concept per module:
   preflight.py   run_preflight(nodes, health_cfg, cluster_cfg, out_dir, run_name) -> PreflightResult
   store.py       per-cluster history (JSON lines) and quarantine
   report.py      rich table + report.html
-  sniff.py       AllToAllSniffer: in-training straggler detection inside an EP group
   cli.py         moe-health preflight | baseline | report | release
 """
