@@ -2,7 +2,7 @@
 
     moe-health preflight --nodes node[1-4] [--cluster slurm] [--out DIR] [key=value ...]
     moe-health baseline  --nodes node[1-4] [...]          re-record the all-to-all baselines from a healthy run
-    moe-health report    [--since 24h|7d|2026-11-30T12:00] [--html report.html]
+    moe-health report    [--since 24h|7d|2026-11-30T12:00] [--run runs/<name>] [--html PATH]
     moe-health release   NODE
 
 `key=value` overrides reach the typed configs (`health.alltoall.iters=3`, `cluster.name=prod`, `cluster.kind=local`),
@@ -101,8 +101,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         sp.add_argument("--out", default=None, help="where raw outputs go (default: ./health-<time>)")
         sp.add_argument("--run-name", default=None)
     sr = sub.add_parser("report")
-    sr.add_argument("--since", default=None)
-    sr.add_argument("--html", default="report.html")
+    sr.add_argument("--since", default=None, help="24h, 7d, 30m or an ISO date (default: all history)")
+    sr.add_argument("--run", default=None, help="a run directory: its own history (cluster=local runs keep it there)")
+    sr.add_argument("--runs-root", default="runs", help="where to look for runs' histories when the cluster store "
+                    "has none (default: runs)")
+    sr.add_argument("--html", default=None, help="page to write (default: report.html in the store, or in the "
+                    "run's health/ directory)")
     sl = sub.add_parser("release")
     sl.add_argument("node")
     for sp in sub.choices.values():
@@ -134,11 +138,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0 if result.ok else 1
         if a.cmd == "report":
             since = parse_since(a.since)
-            history = store.read_history(cdir)
-            html_path = Path(a.html) if a.html else None
-            console.print(report.build(history, store.quarantined_nodes(cdir), since, cluster.name, html_path))
-            if html_path:
-                console.print(f"wrote {html_path}")
+            src = report.history_sources(cdir, Path(a.run) if a.run else None, Path(a.runs_root))
+            if not src.dirs:
+                console.print("no health history found; looked in: " + ", ".join(src.looked) +
+                              " (pass --run runs/<name>, or --cluster / cluster.name= / health.store_dir=)")
+                return 1
+            history = sorted((r for d in src.dirs for r in store.read_history(d)), key=lambda r: r.get("time", 0))
+            quarantined = {n: q for d in src.dirs for n, q in store.quarantined_nodes(d).items()}
+            html_path = Path(a.html) if a.html else src.out_dir / "report.html"
+            console.print(report.build(history, quarantined, since, cluster.name, html_path,
+                                       source=", ".join(map(str, src.dirs))))
+            console.print(f"history from {', '.join(map(str, src.dirs))}; wrote {html_path}")
             return 0
         if a.cmd == "release":
             was = store.release(cdir, a.node)

@@ -1,24 +1,21 @@
-"""Health reports from a cluster's history: a rich table per node for the terminal, and report.html with plots.
+"""Health reports from a cluster's history: a rich table per node for the terminal, and report.html (report_html.py).
 
-The HTML is one self-contained file (plots are matplotlib PNGs embedded as base64, no scripts), so it opens anywhere,
-including a headless browser in CI. Summaries are pure functions of the history records; rendering is at the edge.
+Summaries are pure functions of the history records (per node: last status per check, failures, all-to-all busbw,
+GEMM TFLOP/s over time, the DCGM test x node matrix, the failure list); rendering is at the edge.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Optional
 
 from rich.table import Table
 
-from moe_launch.health.result import CHECK_ALLTOALL
+from moe_launch.health.result import CHECK_ALLTOALL, CHECK_COMPUTE, CHECK_DCGM
 from moe_launch.health.store import NODE_CHECKS
 
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -106,73 +103,92 @@ def rich_table(summaries: list[NodeSummary], checks: list[str], title: str) -> T
     return table
 
 
-def _png_b64(fig) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode()
+def compute_series(history: list[dict[str, Any]], since: Optional[float]) -> dict[str, list[tuple[float, float]]]:
+    """Pure: node -> [(time, GEMM TFLOP/s)] of its compute checks (mean over the node's devices per check time)."""
+    per: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for rec in history:
+        if rec["check"] != CHECK_COMPUTE or not isinstance(rec.get("value"), (int, float)):
+            continue
+        if since is not None and rec.get("time", 0) < since:
+            continue
+        per[(rec["node"], round(rec.get("time", 0), 0))].append(float(rec["value"]))
+    out: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for (node, t), values in sorted(per.items()):
+        out[node].append((t, sum(values) / len(values)))
+    return dict(sorted(out.items()))
 
 
-def plots(history: list[dict[str, Any]], since: Optional[float]) -> dict[str, str]:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.dates
-    import matplotlib.pyplot as plt
-
-    out = {}
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for n, points in a2a_series(history, since).items():
-        ax.plot([datetime.fromtimestamp(t) for t, _ in points], [v for _, v in points], marker="o",
-                label=f"{n} nodes")
-    ax.set_ylabel("all-to-all busbw (GB/s)")
-    ax.set_title("All-to-all bandwidth per node count")
-    ax.tick_params(axis="x", rotation=30, labelsize=7)
-    ax.xaxis.set_major_formatter(matplotlib.dates.DateFormatter("%m-%d %H:%M"))
-    if ax.lines:
-        ax.legend()
-    out["bandwidth"] = _png_b64(fig)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 3.0))
-    fails = failures_per_node(history, since)
-    ax.bar(list(fails), list(fails.values()), color="#c0392b")
-    ax.set_ylabel("failed node checks")
-    ax.set_title("Failures per node")
-    out["failures"] = _png_b64(fig)
-    plt.close(fig)
-    return out
+_DCGM_TEST = re.compile(r"^dcgm (\S+) gpu (\S+): (\w+)")
+ALL_TESTS = "all tests"
 
 
-def html_report(summaries: list[NodeSummary], checks: list[str], images: dict[str, str], title: str) -> str:
-    esc = html.escape
-    head = "".join(f"<th>{esc(h)}</th>" for h in ["node", *checks, "failures", "a2a busbw GB/s", "trend", "quarantine"])
-    rows = []
-    for s in summaries:
-        cells = "".join(f'<td class="{esc(s.last.get(c, "none"))}">{esc(s.last.get(c, "-"))}</td>' for c in checks)
-        last = f"{s.a2a_busbw[-1]:.4g}" if s.a2a_busbw else "-"
-        rows.append(f"<tr><td>{esc(s.node)}</td>{cells}<td>{s.failures}</td><td>{last}</td>"
-                    f"<td>{esc(sparkline(s.a2a_busbw))}</td><td>{'yes' if s.quarantined else ''}</td></tr>")
-    imgs = "".join(f'<figure><img alt="{esc(k)}" src="data:image/png;base64,{v}"></figure>' for k, v in images.items())
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>
-<style>
-body {{ font-family: sans-serif; margin: 2em; }} table {{ border-collapse: collapse; }}
-td, th {{ border: 1px solid #ccc; padding: 4px 8px; }} .pass {{ color: #1e8449; }}
-.fail {{ color: #c0392b; font-weight: bold; }} .warn {{ color: #b9770e; }} .unavailable {{ color: #888; }}
-figure {{ display: inline-block; margin: 1em; }}
-</style></head>
-<body><h1>{esc(title)}</h1>
-<table id="nodes"><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>
-{imgs}
-</body></html>
-"""
+def dcgm_matrix(history: list[dict[str, Any]], since: Optional[float]) -> tuple[list[str], list[str], dict]:
+    """Pure: (tests, nodes, {(test, node): status}) from each node's latest DCGM result. A failing or warning result
+    names its tests in its reasons ("dcgm Category/Test gpu 0,1: fail (...)"); every other test of that run passed.
+    Without any named test the matrix has one row, ALL_TESTS."""
+    latest: dict[str, dict[str, Any]] = {}
+    tests: set[str] = set()
+    for rec in sorted(history, key=lambda r: r.get("time", 0)):
+        if rec["check"] != CHECK_DCGM or (since is not None and rec.get("time", 0) < since):
+            continue
+        latest[rec["node"]] = rec
+        tests |= {m.group(1) for why in rec.get("reasons") or [] if (m := _DCGM_TEST.match(why))}
+    rows = sorted(tests) or [ALL_TESTS]
+    cells = {}
+    for node, rec in latest.items():
+        named = {m.group(1): m.group(3) for why in rec.get("reasons") or [] if (m := _DCGM_TEST.match(why))}
+        for test in rows:
+            if rec["status"] in ("pass", "unavailable") or (test == ALL_TESTS and not named):
+                cells[(test, node)] = rec["status"]
+            else:
+                cells[(test, node)] = named.get(test, "pass")
+    return rows, sorted(latest), cells
+
+
+def failure_rows(history: list[dict[str, Any]], quarantined: dict[str, Any], since: Optional[float]) -> list[dict]:
+    """Pure: every failed node check in the window, newest first, with its reasons and the node's quarantine state."""
+    rows = [{"time": rec.get("time", 0), "node": rec["node"], "check": rec["check"], "run": rec.get("run", ""),
+             "reasons": "; ".join(rec.get("reasons") or []) or "failed", "quarantined": rec["node"] in quarantined}
+            for rec in history if rec["status"] == "fail" and rec["check"] in NODE_CHECKS
+            and (since is None or rec.get("time", 0) >= since)]
+    return sorted(rows, key=lambda r: -r["time"])
+
+
+@dataclass
+class HistorySources:
+    """Where `moe-health report` read its history and writes its page."""
+
+    dirs: list[Path]  # cluster store directories holding history.jsonl
+    out_dir: Path  # report.html goes here: the store, or the run's health/ directory
+    looked: list[str]  # every place searched, for the message when nothing is found
+
+
+def history_sources(store_cdir: Path, run: Optional[Path], runs_root: Path) -> HistorySources:
+    """A named run's history (cluster=local runs keep theirs in runs/<name>/health/store/<cluster>/), else the
+    configured cluster store, else every run under `runs_root` that kept its own (the newest run gets the page)."""
+    def stores_of(run_dir: Path) -> list[Path]:
+        return sorted(p.parent for p in (run_dir / "health" / "store").glob("*/history.jsonl"))
+
+    if run is not None:
+        found = stores_of(run) or ([store_cdir] if (store_cdir / "history.jsonl").exists() else [])
+        return HistorySources(found, run / "health", [str(run / "health" / "store" / "*"), str(store_cdir)])
+    looked = [str(store_cdir), str(runs_root / "*" / "health" / "store" / "*")]
+    if (store_cdir / "history.jsonl").exists():
+        return HistorySources([store_cdir], store_cdir, looked)
+    found = sorted((p.parent for p in runs_root.glob("*/health/store/*/history.jsonl")),
+                   key=lambda d: (d / "history.jsonl").stat().st_mtime)
+    out = found[-1].parents[1] if found else store_cdir
+    return HistorySources(found, out, looked)
 
 
 def build(history: list[dict[str, Any]], quarantined: dict[str, Any], since: Optional[float], cluster: str,
-          html_path: Optional[Path]) -> Table:
+          html_path: Optional[Path], source: str = "") -> Table:
     summaries = summarize(history, quarantined, since)
     checks = sorted({rec["check"] for rec in history})
     title = f"moe-health report: cluster {cluster}"
     if html_path is not None:
+        from moe_launch.health.report_html import page
+
         html_path.parent.mkdir(parents=True, exist_ok=True)
-        html_path.write_text(html_report(summaries, checks, plots(history, since), title))
+        html_path.write_text(page(history, quarantined, since, summaries, checks, title, source))
     return rich_table(summaries, checks, title)

@@ -27,7 +27,10 @@ def _history(cdir) -> None:
         t = NOW - (2 - day) * 24 * HOUR + 60
         run = f"run{day}"
         results = [CheckResult(n, "dcgm", "pass", time=t) for n in ("node1", "node2", "node4")]
-        results.append(CheckResult("node3", "dcgm", "fail", reasons=["thermal"], time=t))
+        results.append(CheckResult("node3", "dcgm", "fail", time=t, reasons=[
+            "dcgm Hardware/Diagnostic gpu 3: fail (thermal violation)"]))
+        results += [CheckResult(n, "compute", "pass", value=700.0 - 50 * (n == "node4") * day, time=t)
+                    for n in ("node1", "node2", "node4")]
         group = ["node1", "node2", "node4"]
         results += [CheckResult(n, "alltoall", "pass" if busbw > 0.5 else "fail", value=busbw,
                                 details={"group_nodes": group}, time=t) for n in group]
@@ -66,6 +69,14 @@ def test_summaries_and_series(tmp_path):
     hist = store.read_history(cdir)
     sums = {s.node: s for s in report.summarize(hist, {"node3": {}}, since=None)}
     assert sums["node3"].failures == 3 and sums["node3"].quarantined and sums["node3"].last == {"dcgm": "fail"}
+    assert report.compute_series(hist, since=None)["node4"] == [(NOW - 48 * HOUR + 60, 700.0),
+                                                                 (NOW - 24 * HOUR + 60, 650.0), (NOW + 60, 600.0)]
+    tests, nodes, cells = report.dcgm_matrix(hist, since=None)
+    assert tests == ["Hardware/Diagnostic"] and nodes == ["node1", "node2", "node3", "node4"]
+    assert cells[("Hardware/Diagnostic", "node3")] == "fail" and cells[("Hardware/Diagnostic", "node1")] == "pass"
+    fails = report.failure_rows(hist, {"node3": {}}, since=None)
+    assert [f["node"] for f in fails] == ["node3"] * 3 and fails[0]["quarantined"]
+    assert "thermal violation" in fails[0]["reasons"]
     assert sums["node4"].a2a_busbw == [0.90, 0.88, 0.30]
     series = report.a2a_series(hist, since=None)
     assert sorted(series) == [2, 3]
@@ -101,7 +112,8 @@ def test_report_cli_table_and_html(tmp_path, capsys):
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page
     for node in ("node1", "node2", "node3", "node4"):
         assert f"<td>{node}</td>" in page
-    images = _decode_images(page)
+    assert '<table id="dcgm">' in page and '<table id="failures">' in page and "thermal violation" in page
+    images = _decode_images(page)  # all-to-all per node count, GEMM per node
     assert len(images) == 2 and all(img.startswith(b"\x89PNG\r\n\x1a\n") for img in images)
     import matplotlib.image as mpimg
 
