@@ -419,6 +419,9 @@ class SupervisorConfig:
     max_allocations: int = 0  # cap on all allocations of the run, continuations included; 0: no cap
     poll_s: float = 0.5
     launch_timeout_s: float = 300.0  # time allowed for the first heartbeat after a (re)launch
+    # warm trainer processes kept ready for relaunches (orchestrator/standby.py): off | buffers (on every buffer
+    # node) | all (also on the active nodes, so every rank of a relaunch starts warm; a second model copy per node)
+    standby: str = "buffers"
     # after a task of the trainer step exits badly, nodes whose tasks have not reported within this many seconds are
     # taken as dead (their slurmstepd is gone): no waiting for Slurm's node timeout
     exit_grace_s: float = 1.5
@@ -431,6 +434,7 @@ class SupervisorConfig:
         _require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
         _require(self.max_allocations >= 0, "supervisor.max_allocations", "is negative", "use 0 (no cap) or more")
         _require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
+        _one_of(self.standby, ("off", "buffers", "all"), "supervisor.standby")
         _require(self.exit_grace_s > 0, "supervisor.exit_grace_s", "must be positive", "use seconds, e.g. 3")
 
 

@@ -45,6 +45,7 @@ from moe_launch.orchestrator.last_record import run_recorded
 from moe_launch.orchestrator.local_cluster import LocalCluster
 from moe_launch.orchestrator.plan import trainer_argv
 from moe_launch.orchestrator.recovery import resume_details
+from moe_launch.orchestrator.standby import StandbyPool, standby_mode
 from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
 from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
@@ -108,6 +109,7 @@ class Supervisor:
         self.failed_at: Optional[float] = None  # that failure's last sign of progress: the last heartbeat
         self.stop_seen = False
         self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
+        self.standbys = StandbyPool(self.cluster, rd, self.trainer_argv, standby_mode(cfg.supervisor))
         self.state: SupervisorState
         self.scheduler: SchedulerWatch  # started by run()
 
@@ -168,6 +170,8 @@ class Supervisor:
             self.stop_seen = True
             events.append(StopRequested())
         events += self.watcher.poll(now)
+        if self.state.phase == "running":
+            self.standbys.sync(self.state.active, self.state.buffers, training=self.watcher.first_beat is not None)
         self._note_resume()
         if self.step is not None:
             result = self.step.poll()
@@ -186,6 +190,7 @@ class Supervisor:
 
     def finish(self) -> int:
         self.scheduler.stop()
+        self.standbys.stop()
         self._end_step(graceful=False)
         records = read_jsonl(self.rd.journal)
         wall = time.time() - (records[0]["time"] if records else time.time())

@@ -1,4 +1,7 @@
-"""`python -m moe_launch.trainer --run-dir RUN_DIR [--attempt K]`, one process per rank (torchrun or srun).
+"""`python -m moe_launch.trainer --run-dir RUN_DIR [--attempt K] [--standby]`, one process per rank (torchrun or srun).
+
+A launched rank first looks for a warm standby of its node and local rank and hands over to it if one is ready
+(trainer/standby.py); `--standby` starts such a process.
 
 Exit codes (moe_launch.rundir): 0 done, 2 bad config or data, 3 NaN/Inf on a rank (fault record written),
 4 preempted by SIGUSR2/SIGTERM after a clean checkpoint, 5 unusable checkpoint; anything else is a crash.
@@ -10,7 +13,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from moe_launch.errors import CheckpointError, ConfigError, DataError
 from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, RunDir
@@ -20,7 +23,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moe_launch.trainer", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True, type=Path, help="run directory holding config.yaml")
     ap.add_argument("--attempt", type=int, default=0, help="launch attempt (fault injection fires on its attempt only)")
+    ap.add_argument("--standby", action="store_true",
+                    help="start warm and wait until a launched rank hands over to this process (supervisor.standby)")
     args = ap.parse_args(argv)
+
+    from moe_launch.trainer.standby import hand_over, serve  # no torch: the hand-over must not wait for imports
+
+    if not args.standby:
+        code = hand_over(args.run_dir, args.attempt)
+        if code is not None:
+            return code
 
     from omegaconf.errors import OmegaConfBaseException
 
@@ -43,7 +55,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for key, value in compile_cache_env(args.run_dir.absolute()).items():
         os.environ.setdefault(key, value)
+    if args.standby:
+        return serve(cfg, RunDir(args.run_dir), run_trainer)
+    return run_trainer(cfg, RunDir(args.run_dir), args.attempt)
 
+
+def run_trainer(cfg: Any, run_dir: RunDir, attempt: int, model: Any = None) -> int:
+    """Join the process group of this rank's environment and train; the exit code. `model`: a warm standby's."""
     from moe_launch.trainer.dist import collective_timeout_s, detect_env, init_distributed, pick_device, shutdown
     from moe_launch.trainer.loop import Trainer
 
@@ -52,7 +70,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         env = detect_env(os.environ)
         device = pick_device(env)
         init_distributed(env, device, timeout_s=collective_timeout_s(cfg.supervisor.hang_timeout_s))
-        code = Trainer(cfg, RunDir(args.run_dir), attempt=args.attempt, device=device).train()
+        code = Trainer(cfg, run_dir, attempt=attempt, device=device, model=model).train()
     except (ConfigError, DataError) as e:
         print(f"[trainer] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG

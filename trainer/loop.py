@@ -133,7 +133,10 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu")):
+    def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu"),
+                 model: Optional[torch.nn.Module] = None):
+        """`model`: built, compiled and run once ahead of time by a warm standby (trainer/standby.py warm_model);
+        else built here."""
         self.cfg, self.run_dir, self.attempt, self.device = cfg, run_dir.make(), attempt, device
         t, p = cfg.train, cfg.parallel
         self.groups = build_groups(p)
@@ -168,16 +171,19 @@ class Trainer:
         self.pipeline: Optional[Pipeline] = None
         # stage coordinates (pp_rank 0 at pp=1): the stage-sharded files, and model-only loads across PP layouts
         self.scoords = stage_ckpt.StageCoords.of(self.groups, p.optimizer_sharding, cfg.model.kind == "moe")
-        if p.pp > 1:
+        if model is not None:
+            self.model = model
+        elif p.pp > 1:
             self.pipeline = build_pipeline(cfg.model, p, self.groups, device)  # attaches the EP token exchange too
             self.model = self.pipeline.model
         else:
             self.model = build_model(cfg.model, self.groups.ep_rank, self.groups.ep_size, device)
             attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
-        if t.recompute:
+        if t.recompute and model is None:
             apply_recompute(self.model, t.recompute)
-        if self.compiled:  # the dense parts of every block (norms, attention), in place: parameter names stay;
-            # the MoE layers stay eager. Tracing happens at the first forward, so in the parameters' final dtype
+        if self.compiled and model is None:  # the dense parts of every block (norms, attention), in place:
+            # parameter names stay; the MoE layers stay eager. Tracing happens at the first forward, so in the
+            # parameters' final dtype
             compile_model(self.model)
         self.loader = self._open_data()
         self.phases.mark("restore_start")

@@ -60,10 +60,17 @@ class _CompileTimer:
 COMPILE_TIMER = _CompileTimer()
 
 
+PROCESS_START_ENV = "MOE_LAUNCH_PROCESS_START"
+
+
 def process_start_time() -> float:
-    """Wall-clock time at which the OS created this process (before the interpreter ran a line). On Linux from the
+    """Wall-clock time at which this rank's process started: the OS's creation time of this process (before the
+    interpreter ran a line), or, in a warm standby that took over a launched task, that task's (the standby passes
+    it in MOE_LAUNCH_PROCESS_START; its own process started long before the failure). On Linux from the
     process's start in clock ticks since boot and the uptime (10 ms resolution); psutil's answer counts from an
     integer boot second, up to a second off, which would swamp a sub-second relaunch."""
+    if os.environ.get(PROCESS_START_ENV):
+        return float(os.environ[PROCESS_START_ENV])
     try:
         with open("/proc/self/stat") as f:
             after_name = f.read().rsplit(")", 1)[1].split()  # the command name may contain spaces
@@ -77,8 +84,8 @@ def process_start_time() -> float:
 
 class StartPhases:
     """Marks `restore_start` and `restore_end` as the trainer reaches them, then `first_backward_done` once. Compiling
-    is lazy (at the first forward and backward), so every compile second of the process until then is the first
-    step's."""
+    is lazy (at the first forward and backward), so the compile seconds between the Trainer's construction and then
+    are the first step's (a warm standby's ahead-of-time compile comes before and is not counted)."""
 
     def __init__(self, attempt: int, compiled: bool):
         self.attempt = attempt
@@ -87,6 +94,7 @@ class StartPhases:
         self.pending = True  # until the first step's forward/backward is done
         if compiled:
             COMPILE_TIMER.register()
+        self._compile_before = COMPILE_TIMER.seconds
 
     def mark(self, phase: str) -> None:
         self.times[phase] = time.time()
@@ -94,7 +102,7 @@ class StartPhases:
     def first_backward_done(self, run_dir: RunDir, write: bool) -> None:
         """After the first step's forward/backward, before its collective: every rank's first heartbeat comes after
         that collective, so the file is there when the supervisor sees one. `write` on one rank only (rank 0)."""
-        self.compile_s = COMPILE_TIMER.seconds
+        self.compile_s = COMPILE_TIMER.seconds - self._compile_before
         if write:
             write_json_atomic(run_dir.heartbeat / START_FILE, self.record())
         self.pending = False

@@ -1,0 +1,58 @@
+"""Warm standby end to end on cluster.kind=local with the real trainer: the buffer node's standby takes over the
+relaunched rank, and a standby that dies before use is reported and replaced, never handed a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from e2e_util import FAST, finish, first, start, supervisor_resume, wait_for
+
+RUN = ["health.preflight=false", "cluster.nodes=1", "cluster.buffers=1", "parallel.dp=1", "supervisor.standby=buffers",
+       *FAST]
+
+
+def _ready(proc, rd, node: str, not_pid: int = -1):
+    """The ready standby record of `node` (of another process than `not_pid`), or None; fails if the run ended."""
+    assert proc.poll() is None, "moe-launch ended before the standby was ready"
+    r = _record(rd, node)
+    return r if r is not None and r["state"] == "ready" and r["pid"] != not_pid else None
+
+
+def _record(rd, node: str):
+    try:
+        return json.loads((rd / "standby" / f"{node}-l0.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def test_relaunch_hands_the_rank_to_the_buffers_standby(tmp_path):
+    # slow steps: the standby gets ready before the fault at step 5
+    proc, rd = start(tmp_path, "sb", *RUN, "train.steps=7", "train.step_sleep_s=0.5",
+                     "train.fault_injection.kind=sigkill", "train.fault_injection.rank=0",
+                     "train.fault_injection.step=5")
+    ready = wait_for(lambda: _ready(proc, rd, "local2"), 300, "standby ready")
+    code, summary, journal = finish(proc, tmp_path, "sb", 400)
+    assert code == 0 and summary["status"] == "completed" and summary["restarts"] == 1
+    assert summary["swapped_nodes"] == [{"out": "local1", "in": "local2"}]
+    taken = _record(rd, "local2")
+    assert taken["state"] == "taken" and taken["pid"] == ready["pid"]  # the warm process, not a new one
+    assert "handed to the warm standby local2-l0" in (rd / "logs" / "attempt1" / "local2-rank0.log").read_text()
+    resumed = supervisor_resume(journal, first(journal, "failure")["time"])
+    parts = resumed["details"]["breakdown"]
+    print(f"\n[local, standby] resumed {resumed['details']['seconds_since_failure']:.1f} s after the failure: {parts}")
+    # the hand-over replaces interpreter start, imports and the model build: the launched task's only work
+    assert parts["process_start"] < 5.0, parts
+
+
+def test_a_dead_standby_is_reported_and_replaced_never_used(tmp_path):
+    proc, rd = start(tmp_path, "sbd", *RUN, "train.steps=40", "train.step_sleep_s=0.5")
+    first_standby = wait_for(lambda: _ready(proc, rd, "local2"), 300, "standby ready")
+    os.kill(first_standby["pid"], signal.SIGKILL)
+    replaced = wait_for(lambda: _ready(proc, rd, "local2", not_pid=first_standby["pid"]), 300, "a new standby")
+    (rd / "STOP").write_text("")  # enough: stop the run (moe-launch stop)
+    code, summary, journal = finish(proc, tmp_path, "sbd", 300)
+    note = next(r for r in journal if "standby on local2 ended before use" in r["details"].get("message", ""))
+    assert "replacing it" in note["details"]["message"] and note["nodes"] == ["local2"]
+    assert replaced["pid"] != first_standby["pid"]
