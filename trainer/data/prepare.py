@@ -1,27 +1,32 @@
 """`moe-data prepare`: text files -> shuffled fixed-size `.npy` shards + `index.json`.
 
 Stages, each restartable (datatrove-style completion markers):
-  1. plan: sort the input files, split them into contiguous parts balanced by bytes (`plan.json`; a rerun reuses it,
-     whatever the worker count, so the output never depends on how the work was spread);
+  1. plan: sort the input files (binary ones skipped with a warning; no text at all is refused), split them into
+     contiguous parts balanced by bytes (`plan.json`; a rerun reuses it, whatever the worker count, so the output
+     never depends on how the work was spread);
   2. tokenize: one task per part (local processes or a Slurm job array) writes `parts/part-XXXXX.npy`, the part's
      concatenated token stream (each document + EOS), then its marker `completions/part-XXXXX.json`; parts with a
      marker are skipped on rerun;
   3. merge: concatenate the parts in order, cut the stream into instances of seq_len+1 tokens (the tail that does not
      fill one is dropped), shuffle them with a seeded permutation across all files, write `shard-XXXXX.npy` files,
-     then `index.json` last: its presence means the dataset is complete.
+     then `index.json` last: its presence means the dataset is complete. index.json's source.fingerprint hashes the
+     input files (path, size) and the tokenizer: an --output finished from other inputs is refused, not reused.
+The tokenizer is copied into the output (tokenizer.json), so a dataset never depends on a cache directory.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -35,6 +40,8 @@ PLAN_VERSION = 1
 PREPARE_SHUFFLE_EPOCH = 0x5EED  # permutation key (seed, this) is distinct from the loader's (seed, epoch)
 _ENCODE_BATCH_CHARS = 4 << 20
 _PART_TARGET_BYTES = 128 << 20
+_SNIFF_BYTES = 8192
+_COMPRESSED = (".gz",)  # gzip'd JSON lines: binary on disk, text inside (corpus.read_documents opens them)
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,48 @@ def list_inputs(inputs: tuple[str, ...] | list[str]) -> list[Path]:
     return sorted(found)
 
 
+def is_binary(path: Path) -> bool:
+    """A NUL byte or invalid UTF-8 in the first 8 KiB (a multi-byte character cut at the boundary is fine)."""
+    if path.name.endswith(_COMPRESSED):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    if b"\0" in head:
+        return True
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def text_inputs(inputs: tuple[str, ...] | list[str], warn: Callable[[str], None]) -> list[Path]:
+    """list_inputs less binary files (each named through `warn`); refuses inputs without a byte of text."""
+    files = list_inputs(inputs)
+    text = []
+    for p in files:
+        if is_binary(p):
+            warn(f"skipping {p}: binary, not UTF-8 text")
+        else:
+            text.append(p)
+    if not text:
+        raise DataError(f"--input {' '.join(inputs)}: all {len(files)} files are binary; pass text, .jsonl or "
+                        ".jsonl.gz files")
+    if sum(p.stat().st_size for p in text) == 0:
+        raise DataError(f"--input {' '.join(inputs)}: the {len(text)} files are empty; nothing to tokenize")
+    return text
+
+
+def input_fingerprint(files: list[tuple[str, int]], tokenizer_sha256: str, eos: int) -> str:
+    """Pure: what a prepared dataset was made from (input paths and sizes, tokenizer, EOS id)."""
+    blob = json.dumps({"inputs": files, "tokenizer": tokenizer_sha256, "eos": eos}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _warn(message: str) -> None:
+    print(f"moe-data: warning: {message}", file=sys.stderr, flush=True)
+
+
 def plan_parts(sizes: list[int], n_parts: int) -> list[tuple[int, int]]:
     """Split files [0, len(sizes)) into <= n_parts contiguous, non-empty ranges of roughly equal bytes. Pure."""
     n_parts = max(1, min(n_parts, len(sizes)))
@@ -120,8 +169,9 @@ def plan_parts(sizes: list[int], n_parts: int) -> list[tuple[int, int]]:
     return [r for r in ranges if r[1] > r[0]]
 
 
-def tokenize_part(task: PartTask) -> dict[str, Any]:
-    """Tokenize one part on one core; idempotent (returns the marker of a part already done)."""
+def tokenize_part(task: PartTask, report: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
+    """Tokenize one part on one core; idempotent (returns the marker of a part already done). `report(part, bytes)`
+    is called after each file (the progress bar moves per file, not per part)."""
     marker = marker_file(Path(task.out_dir), task.part)
     if part_is_done(task):  # a requeued Slurm task, or a part finished by an earlier run
         return json.loads(marker.read_text())
@@ -129,7 +179,7 @@ def tokenize_part(task: PartTask) -> dict[str, Any]:
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        return _tokenize_part(task, marker)
+        return _tokenize_part(task, marker, report)
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -137,7 +187,7 @@ def tokenize_part(task: PartTask) -> dict[str, Any]:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
 
 
-def _tokenize_part(task: PartTask, marker: Path) -> dict[str, Any]:
+def _tokenize_part(task: PartTask, marker: Path, report: Optional[Callable[[int, int], None]]) -> dict[str, Any]:
     out_dir = Path(task.out_dir)
     t0 = time.perf_counter()
     tok = load_tokenizer(task.tokenizer_file)
@@ -153,7 +203,7 @@ def _tokenize_part(task: PartTask, marker: Path) -> dict[str, Any]:
             pieces.append(eos)
         batch.clear()
 
-    for name in task.files:
+    for name, size in zip(task.files, task.sizes):
         for text in read_documents(Path(name)):
             batch.append(text)
             chars += len(text)
@@ -161,6 +211,8 @@ def _tokenize_part(task: PartTask, marker: Path) -> dict[str, Any]:
             if chars >= _ENCODE_BATCH_CHARS:
                 flush()
                 chars = 0
+        if report is not None:
+            report(task.part, size)
     flush()
     tokens_T = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
     target = part_file(out_dir, task.part)
@@ -179,14 +231,17 @@ def _tokenize_part(task: PartTask, marker: Path) -> dict[str, Any]:
     return record
 
 
+def _tokenizer_source(spec: PrepareSpec) -> Path:
+    if spec.tokenizer == "builtin":
+        return builtin_tokenizer_path(Path(spec.cache_dir), spec.vocab_size, spec.builtin_corpus_bytes)
+    source = Path(spec.tokenizer).expanduser()
+    load_tokenizer(source)  # fail early with a clear message
+    return source
+
+
 def _tokenizer_for(spec: PrepareSpec, out_dir: Path) -> tuple[Path, str]:
     """Copy the tokenizer into the output (the dataset then carries what decodes it); returns (file, sha256)."""
-    if spec.tokenizer == "builtin":
-        source = builtin_tokenizer_path(Path(spec.cache_dir), spec.vocab_size, spec.builtin_corpus_bytes)
-    else:
-        source = Path(spec.tokenizer).expanduser()
-        load_tokenizer(source)  # fail early with a clear message
-    data = source.read_bytes()
+    data = _tokenizer_source(spec).read_bytes()
     target = out_dir / "tokenizer.json"
     if not target.exists() or target.read_bytes() != data:
         tmp = target.with_name(f".tokenizer.json.tmp.{os.getpid()}")
@@ -195,8 +250,7 @@ def _tokenizer_for(spec: PrepareSpec, out_dir: Path) -> tuple[Path, str]:
     return target, hashlib.sha256(data).hexdigest()
 
 
-def _make_plan(spec: PrepareSpec, out_dir: Path) -> dict[str, Any]:
-    files = list_inputs(spec.inputs)
+def _make_plan(spec: PrepareSpec, out_dir: Path, files: list[Path]) -> dict[str, Any]:
     sizes = [p.stat().st_size for p in files]
     tok_file, tok_sha = _tokenizer_for(spec, out_dir)
     tok = load_tokenizer(tok_file)
@@ -212,6 +266,7 @@ def _make_plan(spec: PrepareSpec, out_dir: Path) -> dict[str, Any]:
         "dtype": shards.token_dtype(vocab).name,
         "parts": plan_parts(sizes, n_parts),
     }
+    plan["fingerprint"] = input_fingerprint(plan["inputs"], tok_sha, plan["eos_id"])
     plan_path = out_dir / "plan.json"
     if plan_path.exists():
         old = json.loads(plan_path.read_text())
@@ -283,14 +338,29 @@ def merge_parts(out_dir: Path, plan: dict[str, Any], spec: PrepareSpec) -> shard
     return shards.ShardIndex(
         seq_len=spec.seq_len, dtype=dtype.name, vocab_size=plan["vocab_size"], eos_id=plan["eos_id"],
         max_token_id=max_id, shards=entries, tokenizer=spec.tokenizer, seed=spec.seed, shard_size=spec.shard_size,
-        total_tokens=n * width, source={"files": len(plan["inputs"]), "tokens": total, "parts": len(plan["parts"])},
+        total_tokens=n * width, source={"files": len(plan["inputs"]), "tokens": total, "parts": len(plan["parts"]),
+                                        "fingerprint": plan["fingerprint"]},
     )
 
 
-def _existing_index(out_dir: Path, spec: PrepareSpec) -> Optional[shards.ShardIndex]:
+def _fingerprint_of(spec: PrepareSpec, files: list[Path]) -> str:
+    """The fingerprint the plan of these inputs would record (the tokenizer read from its source, not copied)."""
+    tok_file = _tokenizer_source(spec)
+    tok = load_tokenizer(tok_file)
+    return input_fingerprint([[str(p), p.stat().st_size] for p in files], hashlib.sha256(tok_file.read_bytes())
+                             .hexdigest(), eos_id(tok, spec.eos))
+
+
+def _existing_index(out_dir: Path, spec: PrepareSpec, files: Optional[list[Path]]) -> Optional[shards.ShardIndex]:
     if not (out_dir / shards.INDEX_NAME).exists():
         return None
     index = shards.read_index(out_dir)
+    made_from = index.source.get("fingerprint")
+    if made_from is not None and files is not None and made_from != _fingerprint_of(spec, files):
+        raise DataError(
+            f"--output {out_dir} holds a dataset prepared from other input files or another tokenizer; "
+            "use a fresh --output directory, or delete that one to prepare these inputs there"
+        )
     wanted = {"seq_len": spec.seq_len, "seed": spec.seed, "shard_size": spec.shard_size}
     have = {k: getattr(index, k) for k in wanted}
     if have != wanted:
@@ -319,13 +389,17 @@ def prepare(spec: PrepareSpec) -> dict[str, Any]:
         raise DataError(f"--cluster {spec.cluster!r} is unknown; use local or slurm")
     out_dir = Path(spec.output).expanduser().resolve()
     t0 = time.perf_counter()
-    done = _existing_index(out_dir, spec)
+    finished = (out_dir / shards.INDEX_NAME).exists()
+    inputs_gone = not any(glob.glob(str(Path(i).expanduser())) for i in spec.inputs)
+    # a finished dataset whose inputs were removed (the built-in corpus is, after preparing) has nothing to compare
+    files = None if finished and inputs_gone else text_inputs(spec.inputs, _warn)
+    done = _existing_index(out_dir, spec, files)
     if done is not None:
         return {"output": str(out_dir), "instances": done.total_instances, "already_prepared": True,
                 "parts_run": 0, "parts_skipped": done.source.get("parts", 0), "wall_s": time.perf_counter() - t0}
     out_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(out_dir)
-    plan = _make_plan(spec, out_dir)
+    plan = _make_plan(spec, out_dir, files or text_inputs(spec.inputs, _warn))
     tasks = _tasks(plan, out_dir)
     pending = [t for t in tasks if not part_is_done(t)]
     t_tok = time.perf_counter()

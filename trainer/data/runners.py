@@ -1,14 +1,16 @@
 """Where the tokenization tasks of `moe-data prepare` run: local processes or a Slurm job array (submitit).
 
-Both show a rich progress bar (bytes of input tokenized, parts done, tokens/s overall and per core) on stderr, and
-both let every task finish before reporting failures, so a rerun redoes only the parts that failed.
+Both show a rich progress bar on stderr (bytes of input tokenized, files and parts done, tokens/s overall and per
+core, elapsed and remaining time); local workers report every finished file through a queue, so the bar moves per
+file. Both let every task finish before reporting failures, so a rerun redoes only the parts that failed.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,19 +29,31 @@ class _Bar:
 
     def __init__(self, enabled: bool, tasks: list[PartTask], where: str):
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.seconds = 0.0
         self.parts = 0
         self.n_parts = len(tasks)
+        self.files = 0
+        self.n_files = sum(len(t.files) for t in tasks)
+        self.reported = {t.part: 0 for t in tasks}  # bytes already shown per part (file reports)
+        self.part_files = {t.part: 0 for t in tasks}
         self.progress = Progress(
             TextColumn(f"[bold]tokenize ({where})"),
             BarColumn(),
             TaskProgressColumn(),
             TextColumn("{task.fields[status]}"),
-            TimeRemainingColumn(),
+            TextColumn("elapsed"), TimeElapsedColumn(),
+            TextColumn("left"), TimeRemainingColumn(),
             console=Console(stderr=True),
             disable=not enabled,
         )
@@ -48,13 +62,24 @@ class _Bar:
     def _status(self) -> str:
         wall = max(time.perf_counter() - self.t0, 1e-9)
         per_core = self.tokens / self.seconds if self.seconds else 0.0
-        return f"parts {self.parts}/{self.n_parts}  {self.tokens / wall:,.0f} tok/s  {per_core:,.0f} tok/s/core"
+        return (f"files {self.files}/{self.n_files}  parts {self.parts}/{self.n_parts}  {self.tokens / wall:,.0f} "
+                f"tok/s  {per_core:,.0f} tok/s/core")
+
+    def file_done(self, part: int, nbytes: int) -> None:
+        self.files += 1
+        self.part_files[part] += 1
+        self.reported[part] += nbytes
+        self.progress.update(self.task, advance=nbytes, status=self._status())
 
     def done(self, task: PartTask, record: dict[str, Any]) -> None:
         self.parts += 1
         self.tokens += record["tokens"]
         self.seconds += record["seconds"]
-        self.progress.update(self.task, advance=task.nbytes, status=self._status())
+        # what file reports did not show (Slurm tasks report per part only)
+        self.files += len(task.files) - self.part_files[task.part]
+        self.progress.update(self.task, advance=task.nbytes - self.reported[task.part])
+        self.part_files[task.part], self.reported[task.part] = len(task.files), task.nbytes
+        self.progress.update(self.task, status=self._status())
 
     def __enter__(self) -> "_Bar":
         self.progress.start()
@@ -85,22 +110,47 @@ def run_local(tasks: list[PartTask], workers: int, progress: bool) -> list[dict[
         if workers == 1 or len(tasks) == 1:
             for task in tasks:
                 try:
-                    records.append(tokenize_part(task))
+                    records.append(tokenize_part(task, bar.file_done))
                     bar.done(task, records[-1])
                 except Exception as exc:  # keep going: the other parts can still finish
                     failures.append((task, exc))
         else:
             context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
-                futures = {pool.submit(tokenize_part, task): task for task in tasks}
-                for future in as_completed(futures):
-                    try:
-                        records.append(future.result())
-                        bar.done(futures[future], records[-1])
-                    except Exception as exc:
-                        failures.append((futures[future], exc))
+            with context.Manager() as manager, \
+                    ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=context) as pool:
+                files_q = manager.Queue()
+                futures = {pool.submit(tokenize_part, task, _QueueReport(files_q)): task for task in tasks}
+                pending = set(futures)
+                while pending:
+                    finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    _drain(files_q, bar)
+                    for future in finished:
+                        try:
+                            records.append(future.result())
+                            bar.done(futures[future], records[-1])
+                        except Exception as exc:
+                            failures.append((futures[future], exc))
     _raise_failures(failures, len(tasks))
     return records
+
+
+class _QueueReport:
+    """Picklable per-file reporter for spawned workers: (part, bytes) onto a manager queue."""
+
+    def __init__(self, q: Any):
+        self.q = q
+
+    def __call__(self, part: int, nbytes: int) -> None:
+        self.q.put((part, nbytes))
+
+
+def _drain(q: Any, bar: _Bar) -> None:
+    while True:
+        try:
+            part, nbytes = q.get_nowait()
+        except queue.Empty:
+            return
+        bar.file_done(part, nbytes)
 
 
 def _is_lost(exc: BaseException) -> bool:
