@@ -18,6 +18,7 @@ CHECK_COMPUTE = "compute"
 CHECK_ALLTOALL = "alltoall"
 CHECK_ISOLATION = "isolation"
 CHECK_TASK = "task"  # the per-node task itself did not report (node unreachable, crashed, timed out)
+CHECK_IN_RUN = "in_run"  # blamed by the supervisor during training: node lost, NaN/Inf on its rank, a hang
 
 
 @dataclass

@@ -5,7 +5,8 @@ quarantine.json  {"quarantined": {node: {"since": t, "failures": k}}, "released"
 
 A node is quarantined when it failed in >= health.quarantine_failures distinct runs within
 health.quarantine_window_h hours, counting only failures it is answerable for on its own (DCGM, compute, the health
-task not reporting, or being named by isolation; a slow all-to-all of a whole group counts against nobody).
+task not reporting, being named by isolation, or blamed by the supervisor during training: node lost, NaN/Inf on its
+rank, a hang; a slow all-to-all of a whole group counts against nobody).
 `release` forgives the failures before it. The decision (`quarantine_decision`) is pure; the rest reads/writes files.
 """
 
@@ -17,10 +18,17 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import HealthConfig
-from moe_launch.health.result import CHECK_COMPUTE, CHECK_DCGM, CHECK_ISOLATION, CHECK_TASK, CheckResult
+from moe_launch.health.result import (
+    CHECK_COMPUTE,
+    CHECK_DCGM,
+    CHECK_IN_RUN,
+    CHECK_ISOLATION,
+    CHECK_TASK,
+    CheckResult,
+)
 from moe_launch.rundir import append_jsonl, read_jsonl, write_json_atomic
 
-NODE_CHECKS = (CHECK_DCGM, CHECK_COMPUTE, CHECK_TASK, CHECK_ISOLATION)
+NODE_CHECKS = (CHECK_DCGM, CHECK_COMPUTE, CHECK_TASK, CHECK_ISOLATION, CHECK_IN_RUN)
 
 
 def cluster_dir(cfg: HealthConfig, cluster_name: str) -> Path:
@@ -105,3 +113,10 @@ def release(cdir: Path, node: str, now: Optional[float] = None) -> bool:
     data["released"][node] = time.time() if now is None else now
     write_json_atomic(quarantine_path(cdir), data)
     return was
+
+
+def record_in_run(cdir: Path, cfg: HealthConfig, blamed: dict[str, str], run: str) -> None:
+    """Nodes the supervisor blamed during training (node -> why) join the history, so quarantine learns from them."""
+    if blamed:
+        append_results(cdir, [CheckResult(n, CHECK_IN_RUN, "fail", reasons=[why]) for n, why in blamed.items()], run)
+        update_quarantine(cdir, cfg)

@@ -26,6 +26,7 @@ from moe_launch.orchestrator.events import (
     LaunchTimeout,
     NodesLost,
     PreflightDone,
+    Probed,
     StepExited,
     StopRequested,
     SuspectChecked,
@@ -53,6 +54,8 @@ def decide(state: SupervisorState, event: Event) -> Action:
         return _fault(state, event)
     if isinstance(event, Hang):
         return _hang(state, event)
+    if isinstance(event, Probed):
+        return _probed(state, event)
     if isinstance(event, LaunchTimeout):
         return _restart_same(state, "no heartbeat within supervisor.launch_timeout_s of the launch", None)
     if isinstance(event, StepExited):
@@ -137,8 +140,22 @@ def _hang(state: SupervisorState, ev: Hang) -> Action:
     suspects = tuple(n for n in state.active if n in ev.suspects)
     why = f"hang: no progress for {ev.idle_s:.0f} s after step {ev.step}"
     if not suspects or len(suspects) == len(state.active):
-        return _restart_same(state, why + " (no single node to blame)", (-2, ev.step))
+        if state.restarts >= state.max_restarts:
+            return _restart_same(state, why + " (no single node to blame)", (-2, ev.step))
+        # every rank stopped together (a collective): find the node before relaunching on the same ones
+        return Action(kind="update", probe=state.active,
+                      reason=why + " with no single node to blame: probing the job's nodes (compute check, "
+                                   "all-to-all with isolation) before a relaunch")
     return _swap_out(state, suspects, why + f" on {_names(suspects)}", exclude=False)
+
+
+def _probed(state: SupervisorState, ev: Probed) -> Action:
+    why = f"hang after step {ev.step}"
+    bad = tuple(n for n in state.active if n in ev.failed)
+    if not bad:
+        return _restart_same(state, why + ": every node passed the probe (no node to blame)", (-2, ev.step))
+    found = "; ".join(f"{n}: {ev.failed[n]}" for n in bad)
+    return _swap_out(state, bad, f"{why}, probe failed on {found}", exclude=True)
 
 
 def _step_exited(state: SupervisorState, ev: StepExited) -> Action:

@@ -70,6 +70,16 @@ class SuspectChecked:
 
 
 @dataclass(frozen=True)
+class Probed:
+    """Result of probing the nodes of a hung attempt (compute check, all-to-all with isolation) before a relaunch."""
+
+    attempt: int
+    step: int
+    healthy: tuple[str, ...]
+    failed: dict[str, str] = field(default_factory=dict)  # node -> why
+
+
+@dataclass(frozen=True)
 class LaunchTimeout:
     """No rank wrote a heartbeat within supervisor.launch_timeout_s of the launch."""
 
@@ -81,4 +91,5 @@ class StopRequested:
     reason: str = "stop requested by the user (moe-launch stop)"
 
 
-Event = Union[PreflightDone, StepExited, Fault, Hang, NodesLost, SuspectChecked, LaunchTimeout, StopRequested]
+Event = Union[PreflightDone, StepExited, Fault, Hang, NodesLost, SuspectChecked, Probed, LaunchTimeout,
+              StopRequested]

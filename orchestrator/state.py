@@ -31,6 +31,7 @@ class Action:
     exclude: dict[str, str] = field(default_factory=dict)  # node -> why, added to `excluded`
     swaps: tuple[tuple[str, str], ...] = ()  # (node out, buffer in)
     recheck: tuple[str, ...] = ()  # nodes to re-run preflight on
+    probe: tuple[str, ...] = ()  # nodes to probe now, before deciding on a relaunch (the step is ended first)
     fault: Optional[tuple[int, str, str]] = None  # (step, node, what) remembered for the determinism check
     failure: Optional[tuple[int, int]] = None  # (code, step) of a failure without a node cause
     status: str = ""  # for stop: failed | preempted | stopped
@@ -54,6 +55,7 @@ class Action:
             exclude=dict(d.get("exclude") or {}),
             swaps=tuple(tuple(s) for s in d.get("swaps") or ()),
             recheck=tuple(d.get("recheck") or ()),
+            probe=tuple(d.get("probe") or ()),
             fault=None if d.get("fault") is None else tuple(d["fault"]),
             failure=None if d.get("failure") is None else tuple(d["failure"]),
             status=d.get("status", ""),
@@ -119,6 +121,16 @@ def apply(state: SupervisorState, action: Action) -> SupervisorState:
 # exclusions that only record a failed check: a new start checks those nodes again instead of inheriting them
 CHECK_EXCLUSIONS = ("preflight failed", "failed re-check")
 NEW_START = "new_start"  # detail of the journal record a start of an existing run writes before its allocation
+
+
+def in_run_blame(action: Action) -> dict[str, str]:
+    """Pure: nodes an action takes out of the job for what happened during training (node -> why): excluded for a
+    node failure, a hang or a failed probe, or set aside as suspects after a fault. Exclusions for a failed check are
+    left out: the check recorded them itself."""
+    blamed = {n: why for n, why in action.exclude.items() if not why.startswith(CHECK_EXCLUSIONS)}
+    for out, _ in action.swaps:
+        blamed.setdefault(out, f"set aside: {action.reason}")
+    return blamed
 
 
 def carried_exclusions(excluded: dict[str, str], new_start: bool) -> dict[str, str]:

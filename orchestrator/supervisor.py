@@ -37,6 +37,7 @@ from moe_launch.orchestrator.events import (
     LaunchTimeout,
     NodesLost,
     PreflightDone,
+    Probed,
     StepExited,
     StopRequested,
     SuspectChecked,
@@ -46,7 +47,7 @@ from moe_launch.orchestrator.local_cluster import LocalCluster
 from moe_launch.orchestrator.plan import trainer_argv
 from moe_launch.orchestrator.recovery import resume_details
 from moe_launch.orchestrator.standby import StandbyPool, standby_mode
-from moe_launch.orchestrator.state import Action, SupervisorState, apply, replay
+from moe_launch.orchestrator.state import Action, SupervisorState, apply, in_run_blame, replay
 from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
@@ -84,6 +85,8 @@ def event_record(ev: Event) -> tuple[str, tuple[str, ...], dict[str, Any]]:
         return "preflight", ev.healthy, d
     if isinstance(ev, SuspectChecked):
         return "preflight", (ev.node,), d
+    if isinstance(ev, Probed):
+        return "preflight", tuple(ev.failed) or ev.healthy, d
     if isinstance(ev, Fault):
         return "fault", (ev.node,), d
     if isinstance(ev, StepExited):
@@ -148,7 +151,20 @@ class Supervisor:
             journal_event(self.rd, "swap", (out, new), out=out, buffer_in=new)
         journal_event(self.rd, _ACTION_KIND[action.kind], self.state.active, action=action.to_json(),
                       reason=action.reason, attempt=self.state.attempt, restarts=self.state.restarts)
+        self._record_blame(in_run_blame(action))
         self.act(action, ev)
+
+    def _record_blame(self, blamed: dict[str, str]) -> None:
+        """In-run blame joins the nodes' health history, so quarantine learns from it as from preflight."""
+        if not blamed:
+            return
+        from moe_launch.health import store
+
+        health = preflight_health_config(self.cfg.health, self.cfg.cluster, self.rd.health)
+        try:
+            store.record_in_run(store.cluster_dir(health, self.cfg.cluster.name), health, blamed, self.cfg.run.name)
+        except OSError as e:  # the history is advice; the run goes on without it
+            journal_event(self.rd, "info", tuple(blamed), message=f"health history not updated: {e}")
 
     def act(self, action: Action, ev: Event) -> None:
         if action.kind in ("launch", "relaunch"):
@@ -160,6 +176,11 @@ class Supervisor:
                 threading.Thread(target=self._recheck_all, args=(action.recheck,), daemon=True).start()
         elif action.kind == "stop":
             self._end_step(graceful=self.state.status in ("preempted", "stopped"))
+        elif action.probe:  # a hang nobody is blamed for: the hung step goes, its nodes are checked, decide() again
+            self._end_step(graceful=False)
+            done = self.preflight(action.probe)
+            self.checked.put(Probed(attempt=self.state.attempt, step=self.watcher.step, healthy=done.healthy,
+                                    failed=done.failed))
 
     def observe(self) -> list[Event]:
         events: list[Event] = []

@@ -3,7 +3,8 @@
 Not the trainer: no model, no torch. Per step it sleeps train.step_sleep_s, writes heartbeat/rank<r>.json, and rank 0
 appends metrics.jsonl and (every train.ckpt_interval steps) checkpoints/fake.json, from which it resumes. It honours
 train.fault_injection (nan -> fault record + exit 3, sigkill, hang, crash -> exit 1) on the configured attempt, or
-on every attempt when FAKE_TRAINER_ALWAYS_INJECT=1 (a deterministic fault). End-to-end tests use the real trainer.
+on every attempt when FAKE_TRAINER_ALWAYS_INJECT=1 (a deterministic fault); on every rank when
+FAKE_TRAINER_ALL_RANKS=1. End-to-end tests use the real trainer.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main() -> int:
     ckpt = rd.checkpoints / "fake.json"
     start = json.loads(ckpt.read_text())["step"] if ckpt.exists() else 0
     fi = cfg.train.fault_injection
-    inject = fi.kind if fi.kind and fi.rank == rank and (
+    every_rank = os.environ.get("FAKE_TRAINER_ALL_RANKS") == "1"  # e.g. a hang inside a collective: all ranks stop
+    inject = fi.kind if fi.kind and (fi.rank == rank or every_rank) and (
         fi.attempt == args.attempt or os.environ.get("FAKE_TRAINER_ALWAYS_INJECT") == "1") else None
     signal.signal(signal.SIGUSR2, lambda *_: sys.exit(4))
     world = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))

@@ -12,6 +12,7 @@ from moe_launch.orchestrator.events import (
     LaunchTimeout,
     NodesLost,
     PreflightDone,
+    Probed,
     StepExited,
     StopRequested,
     SuspectChecked,
@@ -130,6 +131,8 @@ def test_hang_blames_the_stalled_node_or_restarts_same():
     s, a = step(s, Hang(attempt=0, suspects=("node2",), step=4, idle_s=30))
     assert a.kind == "relaunch" and s.suspects == ("node2",) and s.active == ("node1", "node3")
     s, a = step(s, Hang(attempt=1, suspects=("node1", "node3"), step=8, idle_s=30))
+    assert a.kind == "update" and a.probe == ("node1", "node3")  # nobody to blame: probe before relaunching
+    s, a = step(s, Probed(attempt=1, step=8, healthy=("node1", "node3")))
     assert a.kind == "relaunch" and s.active == ("node1", "node3")
     s, a = step(s, LaunchTimeout(attempt=2))
     assert a.kind == "relaunch" and s.restarts == 3
