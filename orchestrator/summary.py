@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_launch.orchestrator.goodput import goodput
 from moe_launch.orchestrator.state import SupervisorState
 from moe_launch.rundir import RunDir, read_jsonl, write_json_atomic
 
@@ -27,6 +28,7 @@ def build_summary(rd: RunDir, state: SupervisorState, wall_s: float, status: str
         "buffers_left": list(state.buffers),
         "attempts": state.attempt + 1,
         "wall_s": round(wall_s, 3),
+        "goodput": goodput(read_jsonl(rd.journal), metrics),  # productive time / wall, and where the rest went
     }
 
 

@@ -25,5 +25,8 @@ def test_resume_record_breaks_the_recovery_down(tmp_path):
     assert parts["process_start"] > 0 and parts["restore"] > 0 and parts["compile"] == 0
     # the failure counts from the killed attempt's last heartbeat (step 4), not from the supervisor noticing it
     assert parts["detect"] > 0
+    g = summary["goodput"]  # the recovery and the steps it redid are charged as such
+    assert g["recovery_s"] == pytest.approx(resumed["details"]["seconds_since_failure"], abs=0.01)
+    assert g["lost_s"] > 0 and 0 < g["goodput"] < 1
     print(f"\n[local, rank 1 SIGKILLed] resumed {resumed['details']['seconds_since_failure']:.1f} s after the "
           f"failure: {parts}")
