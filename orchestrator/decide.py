@@ -153,7 +153,8 @@ def _probed(state: SupervisorState, ev: Probed) -> Action:
     why = f"hang after step {ev.step}"
     bad = tuple(n for n in state.active if n in ev.failed)
     if not bad:
-        return _restart_same(state, why + ": every node passed the probe (no node to blame)", (-2, ev.step))
+        passed = f" ({ev.detail})" if ev.detail else ": every node passed the probe"
+        return _restart_same(state, why + passed + " (no node to blame)", (-2, ev.step))
     found = "; ".join(f"{n}: {ev.failed[n]}" for n in bad)
     return _swap_out(state, bad, f"{why}, probe failed on {found}", exclude=True)
 

@@ -77,6 +77,7 @@ class Probed:
     step: int
     healthy: tuple[str, ...]
     failed: dict[str, str] = field(default_factory=dict)  # node -> why
+    detail: str = ""  # why nothing was checked, when nothing was
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,8 @@ class Supervisor:
             self._end_step(graceful=False)
             done = self.preflight(action.probe)
             self.checked.put(Probed(attempt=self.state.attempt, step=self.watcher.step, healthy=done.healthy,
-                                    failed=done.failed))
+                                    failed=done.failed,
+                                    detail="" if self.cfg.health.preflight else "not probed: health.preflight=false"))
 
     def observe(self) -> list[Event]:
         events: list[Event] = []
