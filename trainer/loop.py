@@ -53,7 +53,7 @@ from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
 from moe_launch.trainer.moe.layer import MoELayer
 from moe_launch.trainer.moe.skew import (
     ChunkedExperts,
-    expert_row_bytes,
+    expert_bytes_per_row,
     free_memory_bytes,
     install_skew_guard,
     load_alerts,
@@ -505,11 +505,11 @@ class Trainer:
         if not layers:
             return []
         worst = worst_case_rows(t.micro_batch_size * t.seq_len, m.moe.top_k, self.groups.ep_size, m.moe.dispatcher)
-        row_bytes = expert_row_bytes(m.d_model, m.moe.expert_hidden, self.dtype.itemsize)
-        budget = rows_budget(free_memory_bytes(self.device, t.max_memory_fraction), row_bytes, len(layers))
+        row_bytes = expert_bytes_per_row(m.d_model, m.moe.expert_hidden, self.dtype.itemsize, len(layers))
+        budget = rows_budget(free_memory_bytes(self.device, t.max_memory_fraction), row_bytes)
         if self.rank == 0:
             journal_event(self.run_dir, "skew", [], worst_case_rows=worst, row_bytes=row_bytes,
-                          worst_case_bytes=worst * row_bytes * len(layers), rows_budget=budget,
+                          worst_case_bytes=worst * row_bytes, rows_budget=budget,
                           chunked=worst > budget, max_memory_fraction=t.max_memory_fraction)
         return install_skew_guard(layers, budget) if worst > budget else []
 

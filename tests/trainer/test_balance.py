@@ -135,3 +135,21 @@ def test_trainer_learns_the_bias_keeps_it_fp32_and_restores_it_from_checkpoints(
     for n, p in resumed.model.named_parameters():
         if n in biases:
             assert torch.equal(p, biases[n])
+
+
+def test_a_fresh_model_starts_with_a_neutral_bias_and_routes_like_aux_loss(data_cache):
+    """The initialiser draws every weight at random; the bias is state moved by load, and starts at zero."""
+    from moe_launch.trainer.model import build_model
+
+    cfg = tiny_cfg(data_cache)
+    models = {}
+    for balance in ("aux_loss", "aux_free_bias"):
+        m = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, balance=balance))
+        torch.manual_seed(0)
+        models[balance] = build_model(m, 0, 1, torch.device("cpu"))
+    biases = [p for n, p in models["aux_free_bias"].named_parameters() if n.endswith("expert_bias_E")]
+    assert biases and all(bool((b == 0).all()) for b in biases)
+    tokens_BS = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(4))
+    counts = {k: [c.tolist() for c in m.compute_loss(tokens_BS[:, :-1], tokens_BS[:, 1:])[1].counts_per_layer]
+              for k, m in models.items()}
+    assert counts["aux_free_bias"] == counts["aux_loss"]

@@ -16,6 +16,7 @@ from moe_launch.trainer.moe.reference import experts_reference
 from moe_launch.trainer.moe.skew import (
     ChunkedExperts,
     balanced_rows,
+    expert_bytes_per_row,
     load_alerts,
     rows_budget,
     worst_case_rows,
@@ -29,8 +30,10 @@ def test_worst_case_is_every_rank_routing_every_pair_here():
     assert worst_case_rows(1024, 8, ep=4, dispatcher="alltoall") == 4 * 1024 * 8
     assert balanced_rows(1024, 8, ep=4, dispatcher="alltoall") == 1024 * 8  # skew multiplies it by up to ep
     assert balanced_rows(1024, 8, ep=4, dispatcher="allgather") == worst_case_rows(1024, 8, 4, "allgather")
-    assert rows_budget(free_bytes=10_000, row_bytes=100, moe_layers=4) == 25
-    assert rows_budget(free_bytes=0, row_bytes=100, moe_layers=4) == 1  # still progresses
+    # 2 layers keep (2D + 2F) per row, the one in backward holds (3D + 4F) more
+    assert expert_bytes_per_row(d_model=8, expert_hidden=4, dtype_bytes=2, moe_layers=2) == (24 * 2 + 40) * 2
+    assert rows_budget(free_bytes=10_000, bytes_per_row=400) == 25
+    assert rows_budget(free_bytes=0, bytes_per_row=400) == 1  # still progresses
 
 
 def _all_to_expert_zero_layer(impl: str = "reference") -> MoELayer:

@@ -30,6 +30,8 @@ def init_weights(model: nn.Module, std: float, base_seed: int) -> None:
     for name, p in model.named_parameters():
         if id(p) in norm_weights:
             p.fill_(1.0)
+        elif not p.requires_grad:  # state moved by a rule, not by gradients (the routers' expert bias): neutral
+            p.zero_()
         elif getattr(p, "_moe_expert", False):
             layer = model.get_submodule(name.rsplit(".", 1)[0])
             for e in range(p.shape[0]):

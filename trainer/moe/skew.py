@@ -11,7 +11,8 @@ rows other ranks route to its experts, which ranges from 0 to ep * T * K: a hot 
 rows by up to ep.
 
 What the guard does. `rows_budget` turns the memory left under the fraction (after the model and optimizer exist)
-into expert rows per MoE layer. When a call hands the experts more rows than that, `ChunkedExperts` runs them in
+into expert rows per MoE layer (`expert_bytes_per_row` counts what every layer keeps for backward plus what one
+layer's backward holds). When a call hands the experts more rows than that, `ChunkedExperts` runs them in
 chunks of whole rows, each under activation checkpointing: only the chunk's inputs are kept for backward and the F-wide
 intermediates of one chunk exist at a time. Rows are independent (one pair per row: each row's output depends on its
 own input and expert only), so the result equals the unchunked one up to the rounding of smaller matrix products.
@@ -29,10 +30,12 @@ from torch.utils.checkpoint import checkpoint
 ExpertsFn = Callable[..., torch.Tensor]
 
 
-def expert_row_bytes(d_model: int, expert_hidden: int, dtype_bytes: int) -> int:
-    """Activation bytes one row costs in the expert stage: its input and output (D each) and the gate, up and
-    SwiGLU products (F each) kept or rebuilt for backward."""
-    return (2 * d_model + 3 * expert_hidden) * dtype_bytes
+def expert_bytes_per_row(d_model: int, expert_hidden: int, dtype_bytes: int, moe_layers: int) -> int:
+    """Activation bytes one row of every MoE layer costs at the peak, the backward of the last layer: each layer
+    keeps its rows' input, gate and up products and output for backward (2D + 2F), and the layer in backward also
+    holds the output gradient, the input gradients through gate and up (3D), the SwiGLU gradients and the rebuilt
+    product (4F). Weights and their gradients are not per row (the optimizer allocates the gradients up front)."""
+    return ((2 * d_model + 2 * expert_hidden) * moe_layers + 3 * d_model + 4 * expert_hidden) * dtype_bytes
 
 
 def worst_case_rows(tokens: int, top_k: int, ep: int, dispatcher: str) -> int:
@@ -46,10 +49,10 @@ def balanced_rows(tokens: int, top_k: int, ep: int, dispatcher: str) -> int:
     return ep * tokens * top_k if dispatcher == "allgather" else tokens * top_k
 
 
-def rows_budget(free_bytes: int, row_bytes: int, moe_layers: int) -> int:
-    """Expert rows one layer may hold when every MoE layer of this rank holds as many (their activations coexist
-    until backward). At least 1: a budget that cannot hold a single row still makes progress, one row at a time."""
-    return max(1, free_bytes // max(1, row_bytes * moe_layers))
+def rows_budget(free_bytes: int, bytes_per_row: int) -> int:
+    """Expert rows per layer that fit in `free_bytes`. At least 1: a budget that cannot hold a single row still makes
+    progress, one row at a time."""
+    return max(1, free_bytes // max(1, bytes_per_row))
 
 
 def free_memory_bytes(device: torch.device, fraction: float) -> int:
