@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
-import subprocess
 import sys
 import time
 from datetime import datetime
@@ -38,8 +37,9 @@ def expand_nodes(spec: str) -> list[str]:
         return [n for n in spec.split(",") if n]
     if shutil.which("scontrol") is None:
         raise ConfigError("--nodes", f"{spec!r} needs `scontrol show hostnames` to expand", "list nodes with commas")
-    out = subprocess.run(["scontrol", "show", "hostnames", spec], capture_output=True, text=True, check=True).stdout
-    return out.split()
+    from moe_launch.orchestrator.slurm import hostnames
+
+    return list(hostnames(spec))
 
 
 def parse_since(text: Optional[str], now: Optional[float] = None) -> Optional[float]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moe_launch.conf.schema import ClusterConfig
+from moe_launch.orchestrator.backend import free_port
 from moe_launch.orchestrator.local_gpus import preflight_waves, visible_gpus
 
 
@@ -43,12 +43,6 @@ class TaskOutcome:
 
 def python_exe(cluster: ClusterConfig) -> str:
     return cluster.python or sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def in_allocation() -> bool:

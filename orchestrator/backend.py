@@ -6,9 +6,17 @@ the allocation). The supervisor only talks to these two small interfaces.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous (MASTER_PORT) of trainer or health ranks."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

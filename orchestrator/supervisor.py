@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any, Optional
 from moe_launch.conf.load import load_config
 from moe_launch.conf.schema import ClusterConfig, HealthConfig, RootConfig
 from moe_launch.errors import SubmissionError
-from moe_launch.orchestrator.backend import Cluster, Step
+from moe_launch.orchestrator.backend import Cluster, Step, free_port
 from moe_launch.orchestrator.decide import decide
 from moe_launch.orchestrator.events import (
     Event,
@@ -57,12 +56,6 @@ STOP_FILE = "STOP"
 _ACTION_KIND = {"launch": "launch", "relaunch": "launch", "update": "info", "stop": "stop", "complete": "done"}
 _SCHEDULER_POLL_S = 2.0
 _PREEMPT_WAIT_S = 60.0  # time the trainer gets to checkpoint after USR2 before it is killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def make_cluster(cfg: RootConfig) -> Cluster:

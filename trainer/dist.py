@@ -9,7 +9,6 @@ single process and no process group it answers locally, so unit tests need no re
 from __future__ import annotations
 
 import datetime
-import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -30,8 +29,9 @@ class DistEnv:
 
 
 def scontrol_hostnames(nodelist: str) -> list[str]:
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-    return out.stdout.split()
+    from moe_launch.orchestrator.slurm import hostnames  # the one wrapper of `scontrol show hostnames`
+
+    return list(hostnames(nodelist))
 
 
 def detect_env(env: Mapping[str, str], hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> DistEnv:
