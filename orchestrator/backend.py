@@ -53,6 +53,10 @@ class Cluster(Protocol):
     def unavailable(self, nodes: tuple[str, ...]) -> dict[str, str]:
         """Of `nodes`, those the scheduler reports down / not responding / gone: node -> state."""
 
+    def probe(self, nodes: tuple[str, ...]) -> set[str]:
+        """Of `nodes`, those that start a trivial task now: asked before a spare is swapped in, because the scheduler
+        may not have noticed yet that it died."""
+
     def launch(self, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
                log_dir: Path) -> Step:
         """Start the trainer on `nodes` (tasks_per_node ranks each) with MASTER_ADDR/MASTER_PORT in `env`."""

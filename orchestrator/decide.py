@@ -11,7 +11,8 @@ Policy, in the order a reader asks about it:
 - a failure without a node cause is retried once on the same nodes; the same exit at the same step again -> stop;
 - exit codes of the trainer (moe_launch.rundir): 0 done, 2 config (stop), 4 preempted (stop, the login side
   resubmits), 5 checkpoint (stop), 6 spike rollback (relaunch on the same nodes: no node is to blame; the trainer
-  restarts from the model checkpoint it chose), 7 spike it cannot roll back from or that recurred (stop);
+  restarts from the model checkpoint it chose), 7 spike it cannot roll back from or that recurred (stop), 8 checkpoint
+  storage failed (stop: a full or read-only file system is no node's fault, and a relaunch would only fail again);
 - every relaunch counts against supervisor.max_restarts; too few buffers -> stop, naming what was lost.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moe_launch.orchestrator.events import (
+    AllocationEnding,
     Event,
     Fault,
     Hang,
@@ -32,7 +34,15 @@ from moe_launch.orchestrator.events import (
     SuspectChecked,
 )
 from moe_launch.orchestrator.state import Action, SupervisorState
-from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_OK, EXIT_PREEMPTED, EXIT_ROLLBACK, EXIT_SPIKE
+from moe_launch.rundir import (
+    EXIT_CHECKPOINT,
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_CONFIG,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_ROLLBACK,
+    EXIT_SPIKE,
+)
 
 IGNORE = Action(kind="ignore")
 
@@ -42,6 +52,9 @@ def decide(state: SupervisorState, event: Event) -> Action:
         return IGNORE
     if isinstance(event, StopRequested):
         return Action(kind="stop", status="stopped", reason=event.reason)
+    if isinstance(event, AllocationEnding):
+        return Action(kind="stop", status="preempted",
+                      reason=f"{event.reason}: the trainer checkpoints, the login side continues in a new allocation")
     if isinstance(event, PreflightDone):
         return _initial_launch(state, event)
     if isinstance(event, SuspectChecked):
@@ -180,6 +193,11 @@ def _step_exited(state: SupervisorState, ev: StepExited) -> Action:
     if ev.code == EXIT_CHECKPOINT:
         return Action(kind="stop", status="failed",
                       reason=f"trainer exit {ev.code}: no usable checkpoint ({ev.detail}); see logs/")
+    if ev.code == EXIT_CHECKPOINT_WRITE:
+        return Action(kind="stop", status="failed",
+                      reason=f"checkpoint storage failed: {ev.detail or 'see logs/'}. Free space or fix the file "
+                             f"system, then run moe-launch again with the same run.name to resume from the newest "
+                             f"valid checkpoint")
     failure = (ev.code, ev.step)
     if state.last_failure == failure:
         return Action(kind="stop", status="failed", failure=failure,

@@ -92,5 +92,12 @@ class StopRequested:
     reason: str = "stop requested by the user (moe-launch stop)"
 
 
+@dataclass(frozen=True)
+class AllocationEnding:
+    """The supervisor got SIGUSR2: Slurm's warning before the time limit (`--signal=B:USR2@N`) or a preemption."""
+
+    reason: str = "the allocation is ending (time-limit or preemption signal)"
+
+
 Event = Union[PreflightDone, StepExited, Fault, Hang, NodesLost, SuspectChecked, Probed, LaunchTimeout,
-              StopRequested]
+              StopRequested, AllocationEnding]

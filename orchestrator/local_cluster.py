@@ -110,6 +110,9 @@ class LocalCluster:
     def allocation(self) -> tuple[str, ...]:
         return self.nodes
 
+    def probe(self, nodes: tuple[str, ...]) -> set[str]:
+        return set(nodes)  # process groups on this machine: there is no node to lose
+
     def unavailable(self, nodes: tuple[str, ...]) -> dict[str, str]:
         return {}  # a local "node" only fails through its processes, which its step reports
 

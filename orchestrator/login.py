@@ -48,7 +48,7 @@ def partition_and_quarantine(cfg: RootConfig) -> tuple[Any, list[str]]:
         quarantined = sorted(store.quarantined_nodes(store.cluster_dir(cfg.health, cfg.cluster.name)))
     except ImportError:
         pass
-    return slurm.partition_info(cfg.cluster.partition), quarantined
+    return slurm.partition_info(cfg.cluster.partition, cfg.cluster.controller_retry_s), quarantined
 
 
 def make_plan(cfg: RootConfig, run_dir: Path, extra_exclude: tuple[str, ...] = ()) -> LaunchPlan:
@@ -59,13 +59,14 @@ def make_plan(cfg: RootConfig, run_dir: Path, extra_exclude: tuple[str, ...] = (
     return plan(cfg, part, quarantined, run_dir=str(run_dir))
 
 
-def start_allocation(p: LaunchPlan, rd: RunDir, number: int) -> str:
-    """Start the supervisor; returns the handle journaled for attach (a Slurm job id, or a local pid)."""
+def start_allocation(p: LaunchPlan, rd: RunDir, number: int, retry_s: float = 0.0) -> str:
+    """Start the supervisor; returns the handle journaled for attach (a Slurm job id, or a local pid). sbatch is
+    retried for `retry_s` while the controller cannot be reached."""
     if p.kind == "slurm":
         script = rd.root / "sbatch" / f"allocation-{number}.sh"
         script.parent.mkdir(parents=True, exist_ok=True)
         script.write_text(render_sbatch(p))
-        return slurm.submit(script)
+        return slurm.submit(script, retry_s)
     if number > 0:
         _kill_local_leftovers(rd)
     log = open(rd.logs / f"supervisor-{number}.log", "ab")
@@ -90,9 +91,13 @@ def _kill_local_leftovers(rd: RunDir) -> None:
             continue
 
 
-def handle_alive(kind: str, handle: str) -> bool:
+def handle_alive(kind: str, handle: str, retry_s: float = 0.0) -> bool:
+    """Is the allocation still there? A controller that stays unreachable for retry_s leaves it unknown: alive."""
     if kind == "slurm":
-        return slurm.job_state(handle) in _LIVE_STATES
+        try:
+            return slurm.job_state(handle, retry_s) in _LIVE_STATES
+        except SubmissionError:
+            return True
     pid = int(handle)
     if pid in _CHILDREN:
         return _CHILDREN[pid].poll() is None
@@ -111,7 +116,7 @@ def handles(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def submit(cfg: RootConfig, rd: RunDir, p: LaunchPlan) -> str:
-    handle = start_allocation(p, rd, 0)
+    handle = start_allocation(p, rd, 0, cfg.cluster.controller_retry_s)
     journal_event(rd, "start", (), handle=handle, cluster=p.kind, nodes_wanted=p.nodes, buffers=p.buffers,
                   exclude=list(p.exclude), warnings=list(p.warnings), login_pid=os.getpid())
     return handle
@@ -166,7 +171,8 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         if not started:
             raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
         last = started[-1]
-        if handle_alive(last["cluster"], last["handle"]) and not _supervisor_lost(rd, records, last):
+        alive = handle_alive(last["cluster"], last["handle"], cfg.cluster.controller_retry_s)
+        if alive and not _supervisor_lost(rd, records, last):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -272,7 +278,7 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
                           f"cluster.buffers={cfg.cluster.buffers}: the partition has no more usable nodes "
                           f"({len(excluded)} excluded)", warning=True)
         p = make_plan(replace(cfg, cluster=replace(cfg.cluster, buffers=buffers)), rd.root, excluded)
-        handle = start_allocation(p, rd, started)
+        handle = start_allocation(p, rd, started, cfg.cluster.controller_retry_s)
     except (ConfigError, SubmissionError) as e:
         return _final(rd, state, wall, "failed", f"the allocation ended and a new one cannot be submitted: {e}",
                       resubmits)
@@ -291,7 +297,7 @@ def _nodes_lost_with_allocation(cfg: RootConfig, records: list[dict[str, Any]], 
             and r["details"].get("supervisor_lost") for n in r["nodes"]}
     if cfg.cluster.kind == "slurm" and nodes:
         try:
-            down = slurm.partition_info(cfg.cluster.partition)
+            down = slurm.partition_info(cfg.cluster.partition, cfg.cluster.controller_retry_s)
         except SubmissionError:
             down = None
         for n in nodes:

@@ -2,7 +2,9 @@
 trainer steps (`srun`) and the allocation's current node list (`scontrol show job`, never $SLURM_JOB_NODELIST: a
 failed node leaves a --no-kill allocation while the variable still names it).
 
-Every call takes an argument list and a timeout. Parsers are pure and tested on captured output.
+Every call takes an argument list and a timeout. Parsers are pure and tested on captured output. Answers that say the
+controller cannot be reached (a slurmctld restart or failover) are not errors of the call: callers give a retry window
+(cluster.controller_retry_s) over which such calls are repeated with backoff.
 """
 
 from __future__ import annotations
@@ -25,27 +27,63 @@ _TIMEOUT_S = 30.0
 _BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "powered_down", "not_responding")
 _TASK_LINE = re.compile(r"^srun: error: (\S+): tasks? [\d,\-]+: (.*)$")
 _NODE_FAILURE = re.compile(r"Node failure on (\S+)")
+# a step that cannot start its tasks on a node (its slurmd is dead) says so once, naming the node
+_LAUNCH_FAILED = re.compile(r"Task launch for \S+ failed on node ([^\s:]+)")
+_CONTROLLER_DOWN = (
+    "Unable to contact slurm controller", "Socket timed out on send/recv", "Zero Bytes were transmitted or received",
+    "slurmctld not responding", "Transport endpoint is not connected", "Connection refused",
+)
+_BACKOFF_MAX_S = 15.0
 _EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
 _PROBE_TIMEOUT_S = 4.0  # a live slurmd starts a probe step in well under a second; a dead one never does
+# before a spare is swapped in: a wrong "dead" costs a healthy node, so a loaded machine gets more time
+SWAP_PROBE_TIMEOUT_S = 15.0
 _STRAGGLER_EXIT_S = 60.0
 
 
-def _run(argv: list[str], timeout: float = _TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SubmissionError(f"`{' '.join(argv)}` failed: {e}. Is Slurm installed and slurmctld up (`sinfo`)?") from e
+def is_controller_error(text: str) -> bool:
+    """Does a Slurm client's output say that the controller could not be reached (transient) rather than no?"""
+    return any(marker in text for marker in _CONTROLLER_DOWN)
+
+
+def backoff_delays(window_s: float, first_s: float = 1.0) -> list[float]:
+    """Pure: the waits between attempts of a call retried over `window_s` (doubling, at most _BACKOFF_MAX_S)."""
+    delays, total, d = [], 0.0, first_s
+    while total + d <= window_s:
+        delays.append(d)
+        total += d
+        d = min(2 * d, _BACKOFF_MAX_S)
+    return delays
+
+
+def _run(argv: list[str], timeout: float = _TIMEOUT_S, check: bool = True,
+         retry_s: float = 0.0) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client. While it answers that the controller cannot be reached (or hangs), try again with backoff
+    for up to `retry_s` seconds; only then does that count as a failure."""
+    for delay in [*backoff_delays(retry_s), None]:
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired as e:
+            if delay is None:
+                raise SubmissionError(f"`{' '.join(argv)}` failed: {e}. Is slurmctld up (`scontrol ping`)?") from e
+            time.sleep(delay)
+            continue
+        except OSError as e:
+            raise SubmissionError(f"`{' '.join(argv)}` failed: {e}. Is Slurm installed (`sinfo`)?") from e
+        if proc.returncode == 0 or delay is None or not is_controller_error(proc.stderr + proc.stdout):
+            break
+        time.sleep(delay)
     if check and proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip()[-800:]
         raise SubmissionError(f"`{' '.join(argv)}` exited {proc.returncode}: {tail}")
     return proc
 
 
-def hostnames(nodelist: str) -> tuple[str, ...]:
+def hostnames(nodelist: str, retry_s: float = 0.0) -> tuple[str, ...]:
     """Expand a Slurm node list (node[1-3],gpu7) the way Slurm does."""
     if not nodelist or nodelist == "(null)":
         return ()
-    return tuple(_run(["scontrol", "show", "hostnames", nodelist]).stdout.split())
+    return tuple(_run(["scontrol", "show", "hostnames", nodelist], retry_s=retry_s).stdout.split())
 
 
 # ---- pure parsers -------------------------------------------------------------------------------------------------
@@ -75,9 +113,10 @@ def is_bad_state(state: str) -> bool:
 
 
 def parse_srun_line(line: str) -> Optional[tuple[str, str, str]]:
-    """One srun stderr line -> ("node_failure", node, line) | ("exit", node, code) | ("signal", node, what) | None."""
+    """One srun stderr line -> ("node_failure", node, line) | ("exit", node, code) | ("signal", node, what) | None.
+    A node failure is Slurm's verdict on a node, or a task launch that failed there."""
     line = line.strip()
-    m = _NODE_FAILURE.search(line)
+    m = _NODE_FAILURE.search(line) or _LAUNCH_FAILED.search(line)
     if m and line.startswith("srun: error:"):
         return ("node_failure", m.group(1), line)
     m = _TASK_LINE.match(line)
@@ -90,9 +129,10 @@ def parse_srun_line(line: str) -> Optional[tuple[str, str, str]]:
 
 # ---- login side ---------------------------------------------------------------------------------------------------
 
-def partition_info(name: Optional[str]) -> Optional[PartitionInfo]:
+def partition_info(name: Optional[str], retry_s: float = 0.0) -> Optional[PartitionInfo]:
     """Facts about `name` (None: the default partition); None if it does not exist."""
-    rows = [ln.split("|") for ln in _run(["sinfo", "-h", "-a", "-o", "%P|%l"]).stdout.splitlines() if "|" in ln]
+    rows = [ln.split("|") for ln in _run(["sinfo", "-h", "-a", "-o", "%P|%l"], retry_s=retry_s).stdout.splitlines()
+            if "|" in ln]
     chosen = None
     for part, limit in rows:
         is_default = part.endswith("*")
@@ -101,7 +141,7 @@ def partition_info(name: Optional[str]) -> Optional[PartitionInfo]:
             break
     if chosen is None:
         return None
-    out = _run(["sinfo", "-h", "-N", "-p", chosen[0], "-o", "%N %T"]).stdout
+    out = _run(["sinfo", "-h", "-N", "-p", chosen[0], "-o", "%N %T"], retry_s=retry_s).stdout
     states: dict[str, str] = {}
     for line in out.splitlines():
         node, _, state = line.partition(" ")
@@ -110,45 +150,50 @@ def partition_info(name: Optional[str]) -> Optional[PartitionInfo]:
                          unavailable=tuple(n for n, s in states.items() if is_bad_state(s)))
 
 
-def submit(script: Path) -> str:
-    out = _run(["sbatch", "--parsable", str(script)]).stdout.strip()
+def submit(script: Path, retry_s: float = 0.0) -> str:
+    out = _run(["sbatch", "--parsable", str(script)], retry_s=retry_s).stdout.strip()
     job_id = out.split(";")[0]
     if not job_id.isdigit():
         raise SubmissionError(f"sbatch answered {out!r} instead of a job id")
     return job_id
 
 
-def job_state(job_id: str) -> str:
-    """PENDING / RUNNING / COMPLETED / NODE_FAIL / ... ; '' if Slurm no longer knows the job."""
-    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False)
+def job_state(job_id: str, retry_s: float = 0.0) -> str:
+    """PENDING / RUNNING / COMPLETED / NODE_FAIL / ... ; '' if Slurm no longer knows the job. While the controller
+    cannot be reached this waits (up to retry_s): "no answer" must never read as "the job is gone"."""
+    proc = _run(["scontrol", "show", "job", "-o", job_id], check=False, retry_s=retry_s)
+    if proc.returncode != 0 and is_controller_error(proc.stderr):
+        raise SubmissionError(f"slurmctld unreachable for {retry_s:.0f} s (cluster.controller_retry_s): "
+                              f"{proc.stderr.strip()[-300:]}")
     state = parse_job_field(proc.stdout, "JobState") if proc.returncode == 0 else None
     if state:
         return state
-    proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], check=False)
+    proc = _run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State"], check=False, retry_s=retry_s)
     words = proc.stdout.split()
     return words[0] if proc.returncode == 0 and words else ""
 
 
-def cancel(job_id: str, signal_name: Optional[str] = None) -> None:
-    _run(["scancel", *( [f"--signal={signal_name}"] if signal_name else []), job_id], check=False)
+def cancel(job_id: str, signal_name: Optional[str] = None, retry_s: float = 0.0) -> None:
+    _run(["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id], check=False, retry_s=retry_s)
 
 
 # ---- inside the allocation ------------------------------------------------------------------------------------------
 
 def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[str]:
     """The nodes among `nodes` that run a trivial step within timeout_s (in parallel). Slurm's own verdict on a dead
-    node takes its node timeout (~25-30 s here); a step launch on it simply never succeeds."""
+    node takes its node timeout (~25-30 s here); a step launch on it simply never succeeds. A probe that could not
+    reach the controller says nothing about its node, which then counts as alive."""
     procs = {n: subprocess.Popen(["srun", f"--jobid={job_id}", "--overlap", f"--nodelist={n}", "--nodes=1",
                                   "--ntasks=1", "--job-name=moe-probe", "echo", "moe-probe-ok"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
              for n in nodes}
     deadline = time.monotonic() + timeout_s
     alive: set[str] = set()
     for node, proc in procs.items():
         try:
-            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if b"moe-probe-ok" in out:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if b"moe-probe-ok" in out or is_controller_error(err.decode(errors="replace")):
                 alive.add(node)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -159,12 +204,16 @@ def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[st
 class SlurmStep:
     """One `srun` trainer step. Reads srun's stderr as it comes: task exits and node failures are seen at once, and
     nodes whose tasks never report after another task's bad exit count as dead after supervisor.exit_grace_s
-    (their slurmstepd died with the node; srun itself would wait for Slurm's node timeout)."""
+    (their slurmstepd died with the node; srun itself would wait for Slurm's node timeout). An srun that could not
+    create the step because the controller was unreachable is started again, with backoff, for up to
+    cluster.controller_retry_s: that is no failure of the trainer or of a node."""
 
     def __init__(self, job_id: str, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
                  cluster: ClusterConfig, log_dir: Path, grace_s: float):
         self.job_id, self.nodes, self.attempt, self.grace_s = job_id, nodes, attempt, grace_s
         self.name = f"moe-attempt-{attempt}"
+        self.retry_delays = backoff_delays(cluster.controller_retry_s)
+        self.respawn_at: Optional[float] = None
         srun = ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}",
                 f"--ntasks={len(nodes) * cluster.tasks_per_node}", f"--ntasks-per-node={cluster.tasks_per_node}",
                 f"--cpus-per-task={cluster.cpus_per_task}", "--kill-on-bad-exit=1",
@@ -176,13 +225,8 @@ class SlurmStep:
         penv.update(env)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(log_dir / "srun.log", "ab")
-        self.proc = subprocess.Popen(srun + list(argv), env=penv, stdout=self.log, stderr=subprocess.PIPE,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.lines: list[str] = []
-        self.arrived: list[float] = []  # monotonic arrival time of each line (the grace counts from the line)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self._seen = 0
+        self.argv, self.env = srun + list(argv), penv
+        self._spawn()
         self.dead: list[str] = []
         self.reported: dict[str, str] = {}
         self.first_bad: Optional[tuple[str, str, str]] = None
@@ -190,9 +234,18 @@ class SlurmStep:
         self.killed = False
         self.probed = False
 
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for raw in self.proc.stderr:
+    def _spawn(self) -> None:
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self.log, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.lines: list[str] = []
+        self.arrived: list[float] = []  # monotonic arrival time of each line (the grace counts from the line)
+        self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+        self._reader.start()
+        self._seen = 0
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stderr is not None
+        for raw in proc.stderr:
             self.log.write(time.strftime("%H:%M:%S ").encode() + raw)  # arrival time: detection latency is visible
             self.log.flush()
             self.arrived.append(time.monotonic())
@@ -215,10 +268,20 @@ class SlurmStep:
                 self.first_bad, self.first_bad_t = parsed, arrived
 
     def poll(self) -> Optional[StepResult]:
+        if self.respawn_at is not None and not self.killed:
+            if time.monotonic() < self.respawn_at:
+                return None
+            self.respawn_at = None
+            self._spawn()
         rc = self.proc.poll()
         if rc is not None:
             self._reader.join(timeout=2.0)
         self._consume()
+        if rc is not None and self._controller_refused() and self.retry_delays and not self.killed:
+            self.log.write(f"{time.strftime('%H:%M:%S')} moe-launch: controller unreachable, srun again in "
+                           f"{self.retry_delays[0]:.0f} s\n".encode())
+            self.respawn_at = time.monotonic() + self.retry_delays.pop(0)
+            return None
         missing = tuple(n for n in self.nodes if n not in self.reported)
         if rc is None:
             if self.dead:
@@ -239,6 +302,10 @@ class SlurmStep:
             return None
         return self._result(rc, ())
 
+    def _controller_refused(self) -> bool:
+        """srun ended without any task reporting, saying the controller could not be reached: the step never ran."""
+        return not self.reported and not self.dead and is_controller_error("\n".join(self.lines))
+
     def _kill_with(self, result: StepResult) -> StepResult:
         self.kill()
         return result
@@ -253,8 +320,10 @@ class SlurmStep:
             seen = time.monotonic() - (self.first_bad_t or time.monotonic())
             detail.append(f"first bad exit: {node} ({'exit code ' + what if kind == 'exit' else what}), "
                           f"reported {seen:.1f} s before this verdict")
-            if kind == "signal" and node not in dead:
-                dead.append(node)  # its tasks were killed from outside the program: treat the node as failed
+            if kind == "signal" and node not in dead and not self.dead:
+                # its tasks were killed from outside the program: treat the node as failed, unless another node's
+                # failure explains it (srun then kills the peers' tasks, and reports them as killed)
+                dead.append(node)
         elif rc:
             code = rc
             detail.append(f"srun exit {rc}: " + " | ".join(self.lines[-3:]))
@@ -318,8 +387,9 @@ class SlurmCluster:
         self.order: tuple[str, ...] = ()
 
     def allocation(self) -> tuple[str, ...]:
-        text = _run(["scontrol", "show", "job", "-o", self.job_id]).stdout
-        nodes = hostnames(parse_job_field(text, "NodeList") or "")
+        retry = self.cfg.controller_retry_s
+        text = _run(["scontrol", "show", "job", "-o", self.job_id], retry_s=retry).stdout
+        nodes = hostnames(parse_job_field(text, "NodeList") or "", retry_s=retry)
         if not self.order:
             self.order = nodes
         return nodes
@@ -333,6 +403,9 @@ class SlurmCluster:
         bad = {n: s for n, s in states.items() if n in nodes and is_bad_state(s)}
         bad.update({n: "left the allocation" for n in nodes if n not in now})
         return bad
+
+    def probe(self, nodes: tuple[str, ...]) -> set[str]:
+        return probe_nodes(self.job_id, nodes, SWAP_PROBE_TIMEOUT_S) if nodes else set()
 
     def launch(self, nodes: tuple[str, ...], attempt: int, argv: list[str], env: dict[str, str],
                log_dir: Path) -> SlurmStep:

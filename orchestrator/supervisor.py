@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from moe_launch.errors import SubmissionError
 from moe_launch.orchestrator.backend import Cluster, Step, free_port
 from moe_launch.orchestrator.decide import decide
 from moe_launch.orchestrator.events import (
+    AllocationEnding,
     Event,
     Fault,
     Hang,
@@ -50,7 +52,7 @@ from moe_launch.orchestrator.state import Action, SupervisorState, apply, in_run
 from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
-from moe_launch.rundir import RunDir, journal_event, node_name, read_jsonl
+from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, RunDir, journal_event, node_name, read_jsonl
 
 STOP_FILE = "STOP"
 _ACTION_KIND = {"launch": "launch", "relaunch": "launch", "update": "info", "stop": "stop", "complete": "done"}
@@ -104,6 +106,8 @@ class Supervisor:
         self.failure_t: Optional[float] = None  # when the failure that caused the running attempt was observed
         self.failed_at: Optional[float] = None  # that failure's last sign of progress: the last heartbeat
         self.stop_seen = False
+        self.ending = threading.Event()  # set by SIGUSR2 (time limit / preemption warning)
+        self.ending_seen = False
         self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
         self.standbys = StandbyPool(self.cluster, rd, self.trainer_argv, standby_mode(cfg.supervisor))
         self.state: SupervisorState
@@ -111,6 +115,8 @@ class Supervisor:
 
     # ---- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> int:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR2, lambda *_: self.ending.set())
         nodes = self.cluster.allocation()
         records = read_jsonl(self.rd.journal)
         prev = replay(records, self.cfg.cluster.nodes, self.cfg.supervisor.max_restarts)
@@ -133,6 +139,35 @@ class Supervisor:
 
     def handle(self, ev: Event) -> None:
         action = decide(self.state, ev)
+        if action.kind == "relaunch" and action.swaps:
+            ev, action = self._probe_before_swap(ev, action)
+        self._carry_out(ev, action)
+
+    def _probe_before_swap(self, ev: Event, action: Action) -> tuple[Event, Action]:
+        """Spares can die unseen: the scheduler notices a dead node only after its node timeout, and a dead spare
+        swapped in costs a second failure (whose srun then reports the healthy peers as killed). So the nodes the
+        relaunch would use, spares included, run a probe step first. Dead spares leave the pools; active nodes that
+        do not answer either failed together with the first to report (they join its dead nodes) or are lost."""
+        for _ in range(len(self.state.buffers) + 1):
+            out = {o for o, _ in action.swaps}
+            pool = tuple(n for n in dict.fromkeys(self.state.active + self.state.buffers) if n not in out)
+            alive = self.cluster.probe(pool)
+            dead = tuple(n for n in pool if n not in alive)
+            if not dead:
+                break
+            spares = tuple(n for n in dead if n in self.state.buffers)
+            if spares:
+                lost = NodesLost(spares, detail="no answer to a probe step before the swap")
+                self._carry_out(lost, decide(self.state, lost))
+            peers = tuple(n for n in dead if n in self.state.active)
+            if peers and isinstance(ev, StepExited):
+                ev = replace(ev, dead_nodes=tuple(dict.fromkeys(ev.dead_nodes + peers)))
+            action = decide(self.state, ev)
+            if action.kind != "relaunch" or not action.swaps:
+                break
+        return ev, action
+
+    def _carry_out(self, ev: Event, action: Action) -> None:
         if action.kind == "ignore":
             return
         kind, nodes, details = event_record(ev)
@@ -168,7 +203,10 @@ class Supervisor:
             if action.recheck:  # in the background: the new attempt must be watched meanwhile
                 threading.Thread(target=self._recheck_all, args=(action.recheck,), daemon=True).start()
         elif action.kind == "stop":
-            self._end_step(graceful=self.state.status in ("preempted", "stopped"))
+            # a trainer without a heartbeat yet may not have its signal handler: USR2 would kill it, and it has no
+            # step to save anyway
+            started = self.watcher.first_beat is not None
+            self._end_step(graceful=self.state.status in ("preempted", "stopped") and started)
         elif action.probe:  # a hang nobody is blamed for: the hung step goes, its nodes are checked, decide() again
             self._end_step(graceful=False)
             done = self.preflight(action.probe)
@@ -184,6 +222,9 @@ class Supervisor:
         if not self.stop_seen and (self.rd.root / STOP_FILE).exists():
             self.stop_seen = True
             events.append(StopRequested())
+        if self.ending.is_set() and not self.ending_seen:
+            self.ending_seen = True
+            events.append(AllocationEnding())
         events += self.watcher.poll(now)
         if self.state.phase == "running":
             self.standbys.sync(self.state.active, self.state.buffers, training=self.watcher.first_beat is not None)
@@ -194,6 +235,8 @@ class Supervisor:
                 step, self.step = self.step, None
                 events += self.watcher.faults()  # a fault record explains the exit better than the exit code
                 said = trainer_message(self.rd.logs / f"attempt{step.attempt}") if result.code else ""
+                if result.code == EXIT_CHECKPOINT_WRITE:
+                    said = _storage_error(read_jsonl(self.rd.journal)) or said
                 detail = f"{result.detail}; the trainer said: {said}" if said else result.detail
                 events.append(StepExited(attempt=step.attempt, code=result.code, dead_nodes=result.dead_nodes,
                                          failed_nodes=result.failed_nodes, step=self.watcher.step, detail=detail))
@@ -310,6 +353,15 @@ class SchedulerWatch:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def _storage_error(records: list[dict[str, Any]]) -> str:
+    """The trainer's own account of a checkpoint write that kept failing (its journal stop record names the error
+    and the path), or ''."""
+    for r in reversed(records):
+        if r.get("kind") == "stop" and r["details"].get("reason") == "checkpoint_write":
+            return str(r["details"].get("what", ""))
+    return ""
 
 
 def _resubmits(records: list[dict[str, Any]]) -> int:

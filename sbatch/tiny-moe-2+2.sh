@@ -8,7 +8,7 @@
 #SBATCH --time=30
 #SBATCH --no-kill
 #SBATCH --no-requeue
-#SBATCH --signal=USR2@60
+#SBATCH --signal=B:USR2@60
 #SBATCH --output=/home/me/moe-launch/runs/tiny-moe-2+2/logs/allocation-%j.out
 #SBATCH --partition=debug
 set -eu

@@ -8,7 +8,7 @@
 #SBATCH --time=30
 #SBATCH --no-kill
 #SBATCH --no-requeue
-#SBATCH --signal=USR2@60
+#SBATCH --signal=B:USR2@60
 #SBATCH --output=/runs/golden/logs/allocation-%j.out
 #SBATCH --partition=debug
 set -eu

@@ -8,7 +8,7 @@
 #SBATCH --time=30
 #SBATCH --no-kill
 #SBATCH --no-requeue
-#SBATCH --signal=USR2@60
+#SBATCH --signal=B:USR2@60
 #SBATCH --output='/tmp/r $(id)/a; rm -rf ~/logs/allocation-%j.out'
 #SBATCH --partition='$(id)'
 #SBATCH --account='`id`'

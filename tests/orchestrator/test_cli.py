@@ -132,7 +132,7 @@ def test_slurm_dry_run_and_impossible_requests(slurm_cluster, tmp_path):
                   "cluster.exclude=[node1]")
     assert proc.returncode == 0, proc.stderr
     for line in ("#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --no-requeue", "#SBATCH --exclude=node1",
-                 "#SBATCH --signal=USR2@60"):
+                 "#SBATCH --signal=B:USR2@60"):
         assert line in proc.stdout.splitlines(), line
     proc, _ = cli(tmp_path, "--dry-run", "run.name=sdry", "cluster=slurm", "cluster.exclude=[node1,nosuchnode]")
     assert proc.returncode == 2 and "cluster.exclude" in proc.stderr and "nosuchnode" in proc.stderr  # refused

@@ -18,7 +18,14 @@ from moe_launch.orchestrator.events import (
     SuspectChecked,
 )
 from moe_launch.orchestrator.state import Action, apply, initial_state, replay
-from moe_launch.rundir import EXIT_CHECKPOINT, EXIT_CONFIG, EXIT_PREEMPTED, journal_event, read_jsonl
+from moe_launch.rundir import (
+    EXIT_CHECKPOINT,
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_CONFIG,
+    EXIT_PREEMPTED,
+    journal_event,
+    read_jsonl,
+)
 
 
 def step(state, event):
@@ -112,6 +119,21 @@ def test_exit_codes():
     a = decide(s, StepExited(attempt=0, code=EXIT_PREEMPTED))
     assert a.kind == "stop" and a.status == "preempted"
     assert decide(s, StepExited(attempt=0, code=EXIT_CHECKPOINT)).kind == "stop"
+
+
+def test_checkpoint_storage_failure_stops_without_relaunch_naming_the_cause():
+    s = launched()
+    why = "checkpoint write failed: [Errno 30] Read-only file system: '/runs/x/checkpoints/.ckpt-b.tmp/model'"
+    a = decide(s, StepExited(attempt=0, code=EXIT_CHECKPOINT_WRITE, step=6, detail=why))
+    assert a.kind == "stop" and a.status == "failed" and a.nodes is None and not a.exclude  # no node is blamed
+    assert "checkpoint storage failed" in a.reason and "Read-only file system" in a.reason and "/runs/x" in a.reason
+
+
+def test_two_nodes_failing_together_are_both_excluded():
+    s = launched(n=2, b=2)
+    s, a = step(s, StepExited(attempt=0, code=137, dead_nodes=("node1", "node2")))
+    assert a.kind == "relaunch" and a.swaps == (("node1", "node3"), ("node2", "node4"))
+    assert set(s.excluded) == {"node1", "node2"} and s.active == ("node3", "node4")
 
 
 def test_failure_without_node_cause_retried_once_then_stops():

@@ -36,7 +36,7 @@ def test_render_basic_matches_golden():
     p = plan(slurm_cfg(partition="debug"), PART, run_dir="/runs/golden")
     text = render_sbatch(p)
     check_golden("sbatch_basic.sh", text)
-    for flag in ("#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --no-requeue", "#SBATCH --signal=USR2@60"):
+    for flag in ("#SBATCH --nodes=4", "#SBATCH --no-kill", "#SBATCH --no-requeue", "#SBATCH --signal=B:USR2@60"):
         assert flag in text.splitlines()
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import socket
 
-from moe_launch.orchestrator.slurm import is_bad_state, parse_job_field, parse_srun_line, parse_time_limit
+from moe_launch.orchestrator.slurm import (
+    backoff_delays,
+    is_bad_state,
+    is_controller_error,
+    parse_job_field,
+    parse_srun_line,
+    parse_time_limit,
+)
 from moe_launch.rundir import node_name, slurm_node_of_host
 
 # srun's stderr when node5 was hard-failed during `srun -N 2 -w node4,node5 --kill-on-bad-exit=1 ...`
@@ -76,3 +83,29 @@ def test_node_name_is_the_slurm_node_name_not_the_hostname():
     assert node_name(env) == "node4"
     assert node_name({**env, "MOE_LAUNCH_NODE": "local2"}) == "local2"  # cluster=local names its "nodes" itself
     assert node_name({}) == socket.gethostname()  # outside Slurm
+
+
+# srun's stderr when a dead spare (node5: slurmd killed, not yet noticed by slurmctld) was part of a new step
+LAUNCH_FAILED = """\
+srun: error: Task launch for StepId=31.4 failed on node node5: Communication connection failure
+srun: error: Application launch failed: Communication connection failure
+srun: Job step aborted: Waiting up to 7 seconds for job step to finish.
+srun: error: node2: task 0: Killed
+"""
+
+
+def test_failed_task_launch_names_its_node():
+    parsed = [p for p in map(parse_srun_line, LAUNCH_FAILED.splitlines()) if p]
+    assert parsed[0] == ("node_failure", "node5", LAUNCH_FAILED.splitlines()[0])
+    assert parsed[1:] == [("signal", "node2", "Killed")]  # the peer srun killed: SlurmStep does not blame it
+
+
+def test_controller_errors_are_transient_and_retried_with_backoff():
+    assert is_controller_error("srun: error: Unable to allocate resources: Unable to contact slurm controller "
+                               "(connect failure)")
+    assert is_controller_error("slurm_load_jobs error: Socket timed out on send/recv operation")
+    assert not is_controller_error("sbatch: error: Batch job submission failed: Invalid partition name specified")
+    assert not is_controller_error(LAUNCH_FAILED.splitlines()[0])  # a dead node is no controller outage
+    assert backoff_delays(0) == []
+    delays = backoff_delays(300)
+    assert delays[:5] == [1, 2, 4, 8, 15] and max(delays) == 15 and 285 < sum(delays) <= 300
