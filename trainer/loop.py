@@ -39,6 +39,7 @@ from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
 from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.host_restore import is_held
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.metrics import (
     MetricsSink,
@@ -250,6 +251,7 @@ class Trainer:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
                               slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
                               rejected=self.resume.rejected, attempt=self.attempt,
+                              from_memory=is_held(self.resume.path),
                               resharded=self.resume_mode == "reshard")
             return int(saved["step"])
         init_from = self.cfg.model.init_from

@@ -4,10 +4,13 @@
 orchestrator/standby.py) imports torch, brings the CUDA context up and, when the model does not depend on the rank
 (parallel.ep = parallel.pp = 1), builds it exactly as the Trainer would, compiles it and runs one forward/backward on
 made-up tokens of the training shape, so the first real step finds its graphs and Triton kernels compiled. Then it
-announces itself and waits; it never touches the run's state (checkpoints, heartbeats, journal) until told to.
+announces itself and waits, holding the newest checkpoint verified in host memory (trainer/host_restore.py), so the
+restore after the hand-over reads no disk; it never writes the run's state (checkpoints, heartbeats, journal) until
+told to.
 
 The hand-over is file-based in standby/ of the run directory (shared by the nodes), one slot per (node, local rank):
-  <slot>.json       the standby: pid, state (ready | taken), time (refreshed every second), CUDA_VISIBLE_DEVICES
+  <slot>.json       the standby: pid, state (ready | taken), time (refreshed every second), CUDA_VISIBLE_DEVICES,
+                    held_step (the checkpoint it holds in memory)
   <slot>.go.json    the claim, created exclusively by the launched task: its rank environment, attempt, pid and
                     process start time
   <slot>.exit.json  the standby-turned-trainer's exit code
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from moe_launch.rundir import RunDir, node_name, write_json_atomic
+from moe_launch.trainer.host_restore import HoldNewest, held_step
 from moe_launch.trainer.start_phases import PROCESS_START_ENV, process_start_time
 
 STANDBY_DIR = "standby"
@@ -148,13 +152,14 @@ def serve(cfg: Any, run_dir: RunDir, run_trainer: Callable[..., int]) -> int:
     for stale in (f"{slot}.go.json", f"{slot}.exit.json"):  # an earlier standby's, on this slot
         (sdir / stale).unlink(missing_ok=True)
     model = warm_model(cfg, device)
+    holder = HoldNewest(run_dir.checkpoints)  # the newest checkpoint, verified and in host memory
     record = {"pid": os.getpid(), "node": node_name(), "local_rank": env.local_rank, "state": "ready",
               "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "prebuilt": model is not None}
     stop = threading.Event()
 
     def refresh() -> None:
         while True:
-            write_json_atomic(sdir / f"{slot}.json", {**record, "time": time.time()})
+            write_json_atomic(sdir / f"{slot}.json", {**record, "time": time.time(), "held_step": held_step()})
             if stop.wait(REFRESH_S):
                 return
 
@@ -168,8 +173,10 @@ def serve(cfg: Any, run_dir: RunDir, run_trainer: Callable[..., int]) -> int:
         time.sleep(_POLL_S)
         go = _read(go_path) if go_path.exists() else None
     stop.set()
+    holder.stop()
     refresher.join()
-    write_json_atomic(sdir / f"{slot}.json", {**record, "state": "taken", "time": time.time(), "by": go["pid"]})
+    write_json_atomic(sdir / f"{slot}.json", {**record, "state": "taken", "time": time.time(),
+                                                   "by": go["pid"], "held_step": held_step()})
     _become(go)
     code = 1
     try:

@@ -7,7 +7,16 @@ import json
 import os
 import signal
 
-from e2e_util import FAST, finish, first, start, supervisor_resume, wait_for
+from e2e_util import (
+    FAST,
+    finish,
+    kill_ranks_on,
+    newest_checkpoint_step,
+    start,
+    supervisor_resume,
+    trainer_resume,
+    wait_for,
+)
 
 RUN = ["health.preflight=false", "cluster.nodes=1", "cluster.buffers=1", "parallel.dp=1", "supervisor.standby=buffers",
        *FAST]
@@ -28,20 +37,26 @@ def _record(rd, node: str):
 
 
 def test_relaunch_hands_the_rank_to_the_buffers_standby(tmp_path):
-    # slow steps: the standby gets ready before the fault at step 5
-    proc, rd = start(tmp_path, "sb", *RUN, "train.steps=7", "train.step_sleep_s=0.5",
-                     "train.fault_injection.kind=sigkill", "train.fault_injection.rank=0",
-                     "train.fault_injection.step=5")
-    ready = wait_for(lambda: _ready(proc, rd, "local2"), 300, "standby ready")
+    # checkpoints 5 s apart: the trainer is killed while the standby holds the newest one in memory
+    proc, rd = start(tmp_path, "sb", *[o for o in RUN if not o.startswith("train.ckpt_interval")],
+                     "train.ckpt_interval=10", "train.steps=30", "train.step_sleep_s=0.5")
+    ready = wait_for(lambda: (r := _ready(proc, rd, "local2")) and (r.get("held_step") or 0) >= 10 and r, 300,
+                     "standby holding a checkpoint")
+    t_kill = kill_ranks_on(rd, "local1")
     code, summary, journal = finish(proc, tmp_path, "sb", 400)
     assert code == 0 and summary["status"] == "completed" and summary["restarts"] == 1
     assert summary["swapped_nodes"] == [{"out": "local1", "in": "local2"}]
     taken = _record(rd, "local2")
     assert taken["state"] == "taken" and taken["pid"] == ready["pid"]  # the warm process, not a new one
     assert "handed to the warm standby local2-l0" in (rd / "logs" / "attempt1" / "local2-rank0.log").read_text()
-    resumed = supervisor_resume(journal, first(journal, "failure")["time"])
+    restored = trainer_resume(journal, t_kill)
+    # resumed from the newest checkpoint, the one the standby held: from memory
+    assert restored["details"]["step"] == newest_checkpoint_step(journal, t_kill) == taken["held_step"]
+    assert restored["details"]["from_memory"] is True
+    resumed = supervisor_resume(journal, t_kill)
     parts = resumed["details"]["breakdown"]
-    print(f"\n[local, standby] resumed {resumed['details']['seconds_since_failure']:.1f} s after the failure: {parts}")
+    print(f"\n[local, standby] resumed {resumed['details']['seconds_since_failure']:.1f} s after the failure "
+          f"(from memory: {restored['details']['from_memory']}): {parts}")
     # the hand-over replaces interpreter start, imports and the model build: the launched task's only work
     assert parts["process_start"] < 5.0, parts
 

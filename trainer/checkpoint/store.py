@@ -30,6 +30,7 @@ import torch
 
 from moe_launch.errors import CheckpointError
 from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.host_restore import held_file, held_verified
 
 MANIFEST = "manifest.json"
 SLOTS = ("ckpt-a", "ckpt-b")
@@ -112,6 +113,8 @@ def verify(ckpt_dir: Path) -> tuple[bool, str]:
     manifest = read_manifest(ckpt_dir)
     if manifest is None:
         return False, f"{ckpt_dir}: missing or unreadable {MANIFEST}"
+    if held_verified(ckpt_dir, manifest):  # verified when this process loaded it into memory, unchanged since
+        return True, "ok"
     for rel, info in manifest["files"].items():
         path = Path(ckpt_dir) / rel
         if not path.is_file():
@@ -167,4 +170,7 @@ def load_file(ckpt_dir: Path, rel: str, map_location: Any = "cpu") -> Any:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: the checkpoint was written with a different layout "
                               "(parallel.* or model.kind changed?); resume with the original parallel config")
+    held = held_file(path)  # already in host memory (a warm standby's, trainer/host_restore.py)
+    if held is not None and map_location == "cpu":
+        return held
     return torch.load(path, map_location=map_location, weights_only=True)
