@@ -62,6 +62,7 @@ class RunSeries:
     events: list[Event] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    goodput: dict[str, float] = field(default_factory=dict)  # orchestrator/goodput.py: productive time / wall, ...
     label: str = ""
 
     @property
@@ -188,8 +189,11 @@ def legend_labels(series: list[RunSeries]) -> list[str]:
 
 
 def read_run(run_dir: str | Path) -> RunSeries:
+    from moe_launch.orchestrator.goodput import goodput
+
     rd = RunDir(Path(run_dir))
-    records = last_per_step(read_jsonl(rd.metrics))
+    all_records, journal = read_jsonl(rd.metrics), read_jsonl(rd.journal)
+    records = last_per_step(all_records)
     load_steps, load_SLE = load_per_step(records)
     try:
         summary = json.loads(rd.summary.read_text())
@@ -197,8 +201,10 @@ def read_run(run_dir: str | Path) -> RunSeries:
         summary = {}
     s = RunSeries(name=rd.root.name, kind=_kind_of(rd), steps=_column(records, "step"),
                   cols={k: _column(records, *keys) for k, keys in COLUMNS.items()}, step_time=step_times(records),
-                  load_SLE=load_SLE, load_steps=load_steps, events=journal_events(read_jsonl(rd.journal), records),
-                  overrides=run_overrides(rd), summary=summary)
+                  load_SLE=load_SLE, load_steps=load_steps, events=journal_events(journal, records),
+                  overrides=run_overrides(rd), summary=summary,
+                  # a finished run's own account, else computed the same way from what is on disk so far
+                  goodput=summary.get("goodput") or goodput(journal, all_records))
     s.label = legend_labels([s])[0]
     return s
 
@@ -225,7 +231,11 @@ def main_report(run_dir: str | Path, compare: Sequence[str | Path] = (), out_dir
     """`moe-launch report runs/<name> [other runs to overlay]`: regenerate runs/<name>/plots/. Exit 0, or 1 when
     the run has no metrics yet."""
     run_dir = Path(run_dir)
-    paths = make_plots([run_dir, *compare], out_dir=Path(out_dir) if out_dir else run_dir / "plots")
+    try:
+        paths = make_plots([run_dir, *compare], out_dir=Path(out_dir) if out_dir else run_dir / "plots")
+    except ImportError as e:  # both are dependencies of the package; a trimmed environment gets told what to add
+        print(f"moe-launch report needs matplotlib and jinja2 ({e}): pip install matplotlib jinja2", file=sys.stderr)
+        return 2
     if not paths:
         print(f"no metrics in {RunDir(run_dir).metrics}: nothing to plot (has the run logged a step yet?)",
               file=sys.stderr)

@@ -36,7 +36,7 @@ figure { margin: 1em 0; } img { max-width: 100%; }
 <td class="num">{{ r.final_loss }}</td><td class="num">{{ r.restarts }}</td><td class="num">{{ r.swaps }}</td>
 <td class="num">{{ r.tokens_per_s }}</td><td class="num">{{ r.mfu }}</td><td class="num">{{ r.wall }}</td></tr>
 {% endfor %}</tbody></table>
-{% if goodput %}<h2>Goodput</h2>
+{% if goodput %}<h2>Goodput (seconds of wall time)</h2>
 <table id="goodput"><thead><tr><th>run</th>{% for k in goodput_keys %}<th>{{ k }}</th>{% endfor %}</tr></thead><tbody>
 {% for name, g in goodput %}<tr><td>{{ name }}</td>{% for k in goodput_keys %}<td class="num">{{ g.get(k, "") }}</td>
 {% endfor %}</tr>{% endfor %}</tbody></table>{% endif %}
@@ -79,11 +79,18 @@ def run_row(s: RunSeries) -> dict[str, str]:
             "wall": _fmt(sm.get("wall_s"), ".0f") + (" s" if "wall_s" in sm else "")}
 
 
+def goodput_cells(g: dict[str, float]) -> dict[str, str]:
+    """Pure: goodput as a percentage first, then the seconds of each kind of time (goodput.py's keys)."""
+    cells = {"goodput": _fmt(100 * g.get("goodput", float("nan")), ".1f") + "%", "wall": _fmt(g.get("wall_s"), ",.1f")}
+    cells.update({k.removesuffix("_s"): _fmt(v, ",.1f") for k, v in g.items() if k.endswith("_s") and k != "wall_s"})
+    return cells
+
+
 def render(series: list[RunSeries], figures: list[Path], written: float) -> str:
     events = [{"time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)), "run": s.label,
                "step": f"{e.step:.0f}", "kind": e.kind, "what": e.what} for s in series for e in s.events]
-    goodput = [(s.label, s.summary["goodput"]) for s in series if isinstance(s.summary.get("goodput"), dict)]
-    keys = sorted({k for _, g in goodput for k in g})
+    goodput = [(s.label, goodput_cells(s.goodput)) for s in series if s.goodput.get("wall_s")]
+    keys = list(dict.fromkeys(k for _, g in goodput for k in g))
     title = "moe-launch report: " + " vs ".join(s.name for s in series)
     return _ENV.from_string(_TEMPLATE).render(
         title=title, runs=[run_row(s) for s in series], goodput=goodput, goodput_keys=keys,

@@ -115,6 +115,7 @@ def test_synthetic_dense_vs_moe(tmp_path):
     page = (tmp_path / "sweep_plots" / "report.html").read_text()
     assert "model=tiny_moe" in page and "model=tiny_dense" in page  # legends name the swept value, not the dir
     assert "node swap: n2 -&gt; n9" in page and page.count("<figure") == 8
+    assert '<table id="goodput">' in page and "productive" in page  # goodput.py's account, per run
 
     s = read_run(moe.root)
     assert s.kind == "moe" and s.name == "moe"
@@ -138,6 +139,15 @@ def test_single_run_report_and_cli(tmp_path, capsys):
     empty = RunDir(tmp_path / "empty").make()
     assert main_report(empty.root) == 1
     assert make_plots(empty.root) == []
+
+
+def test_report_without_matplotlib_says_what_to_install(tmp_path):
+    rd = _synthetic_run(tmp_path / "run", "moe", seed=3, steps=4)
+    code = ("import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
+            "from moe_launch.orchestrator.cli import main\n"
+            f"main(['report', {str(rd.root)!r}])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "pip install matplotlib" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_pure_readers():

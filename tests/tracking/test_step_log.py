@@ -78,3 +78,16 @@ def test_record_has_mfu_counts_and_memory_and_log_lines(tmp_path, data_cache, ca
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "| loss" in ln]
     assert [ln.split("] ")[1].split(" |")[0] for ln in lines] == ["step 2/4", "step 4/4"]
     assert all(f"[{node_name()} r0]" in ln and "mfu " in ln and "expert load max" in ln for ln in lines)
+
+
+def test_no_progress_bar_without_a_terminal(tmp_path, monkeypatch):
+    """Under srun or `| tee` stdout is a file or pipe: the bar would be one stale line in the log."""
+    import io
+
+    from moe_launch.rundir import RunDir
+    from moe_launch.trainer.metrics import MetricsSink
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    sink = MetricsSink(RunDir(tmp_path).make(), total_steps=5, start_step=0, tracking=[], progress=True)
+    assert sink.progress is None
+    sink.close()
