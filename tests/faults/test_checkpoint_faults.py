@@ -64,6 +64,6 @@ def test_fault07_corrupted_newest_checkpoint(reference, tmp_path):
     assert victim in failure["nodes"], failure
     _, trainer = resumed_after(records, failure["time"])
     assert trainer["details"]["step"] == 3 and trainer["details"]["fell_back"], trainer
-    assert "sha256 mismatch" in trainer["details"]["rejected"][ckpt6["details"]["slot"]]
+    assert "mismatch (corrupted)" in trainer["details"]["rejected"][ckpt6["details"]["slot"]]
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[(victim, spare)])
     report("07 corrupted newest checkpoint", failure["time"], records)

@@ -1,30 +1,38 @@
 """Atomic, verifiable checkpoint directories written cooperatively by many ranks.
 
 A checkpoint is a directory of files (relative paths -> torch-serialised objects) plus `manifest.json`, written
-LAST, that lists every file with its sha256 and size. Protocol of `write_checkpoint(final_dir, step, files, comm)`:
+LAST, that lists every file with its digest and size. Protocol of `write_checkpoint(final_dir, step, files, comm)`:
 
   1. the leader (comm rank 0) recreates `.<name>.tmp` next to `final_dir`; barrier
-  2. every rank writes ITS files (fsync each) and computes their digests — so ranks can write disjoint shards
-     (DP-scattered writes: each rank passes only the shards it owns; an empty dict is fine)
-  3. digests are all-gathered; the leader writes the manifest (fsync), fsyncs the tmp dir, renames an existing
-     `final_dir` aside, renames tmp -> final_dir, fsyncs the parent and only then removes the old copy; barrier.
+  2. every rank writes ITS files (fsync each), digesting the bytes as they stream to the file (no second pass) —
+     so ranks can write disjoint shards (DP-scattered writes: each rank passes only the shards it owns; an empty
+     dict is fine)
+  3. digests (or each rank's write error) are all-gathered; if any rank failed, every rank raises
+     CheckpointWriteError and the leader removes the tmp dir; otherwise the leader writes the manifest (fsync),
+     fsyncs the tmp dir, renames an existing `final_dir` aside, renames tmp -> final_dir, fsyncs the parent and only
+     then removes the old copy; barrier.
 
-A directory without a verifying manifest is never used, so a crash at any point leaves the previous content of
-every OTHER directory intact. The dual slots (ckpt-a / ckpt-b) rely on this: a new checkpoint always goes into the
-slot that does NOT hold the newest valid checkpoint, so the newest valid one survives any crash.
+A directory without a verifying manifest is never used, so a crash or a write error at any point leaves the previous
+content of every OTHER directory intact. The dual slots (ckpt-a / ckpt-b) rely on this: a new checkpoint always goes
+into the slot that does NOT hold the newest valid checkpoint, so the newest valid one survives any crash.
+
+Digest: xxh3-64 (python-xxhash, several GB/s) or zlib's crc32 where xxhash is not installed; the manifest names the
+algorithm per file, and `verify` also accepts sha256 manifests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import io
 import json
 import os
 import shutil
+import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -32,9 +40,49 @@ from moe_launch.errors import CheckpointError
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.host_restore import held_file, held_verified
 
+try:
+    import xxhash
+except ImportError:  # the slower fallback below
+    xxhash = None
+
 MANIFEST = "manifest.json"
 SLOTS = ("ckpt-a", "ckpt-b")
 FORMAT_VERSION = 1
+DIGEST = "xxh3_64" if xxhash is not None else "crc32"
+_READ_CHUNK = 1 << 24
+
+
+class CheckpointWriteError(CheckpointError):
+    """A rank could not write its files (ENOSPC, EIO, a read-only file system...); names the path and the error."""
+
+    def __init__(self, path: str, error: str):
+        self.path, self.error = path, error
+        super().__init__(f"writing {path} failed: {error}; the older checkpoint slot is untouched. Free space on (or "
+                         "fix) the checkpoint file system, then resume")
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: Any) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def new_hasher(algo: str) -> Any:
+    if algo == "xxh3_64":
+        if xxhash is None:
+            raise CheckpointError("the manifest uses xxh3_64 digests but python-xxhash is not installed; "
+                                  "pip install xxhash")
+        return xxhash.xxh3_64()
+    if algo == "crc32":
+        return _Crc32()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise CheckpointError(f"unknown checkpoint digest {algo!r}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,6 +93,75 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _DigestingFile:
+    """The file object torch.save writes into: every chunk (a memoryview of the tensor's own host memory, no copy)
+    is hashed and written straight through, so serialisation, digest and write are one pass."""
+
+    def __init__(self, fd: int, algo: str):
+        self.fd, self.hasher, self.nbytes = fd, new_hasher(algo), 0
+        self.error: Optional[OSError] = None  # the first write error; torch.save's own cleanup would mask it
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if self.error is not None:  # torch.save closing its zip after our error: swallow, write_file re-raises
+            return len(view)
+        self.hasher.update(view)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        except OSError as e:
+            self.error = e
+            raise
+        self.nbytes += done
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
+_crc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_zip_crc() -> Iterator[None]:
+    """torch.save's zip records carry a crc32 by default: a second slow pass over every byte that our digest
+    already covers. torch.load does not need it."""
+    setter = getattr(torch.serialization, "set_crc32_options", None)
+    getter = getattr(torch.serialization, "get_crc32_options", None)
+    if setter is None or getter is None:
+        yield
+        return
+    with _crc_lock:
+        before = getter()
+        setter(False)
+        try:
+            yield
+        finally:
+            setter(before)
+
+
+def write_file(path: Path, obj: Any, algo: str = DIGEST) -> dict[str, Any]:
+    """Serialise `obj` into `path` (fsynced); returns its manifest entry {algo: hexdigest, "bytes": n}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        out = _DigestingFile(fd, algo)
+        try:
+            with _no_zip_crc():
+                torch.save(obj, out)
+        except Exception:
+            if out.error is not None:
+                raise out.error from None
+            raise
+        if out.error is not None:
+            raise out.error
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {algo: out.hasher.hexdigest(), "bytes": out.nbytes}
+
+
 def _write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
@@ -53,51 +170,82 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def serialize(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Comm, meta: Optional[dict] = None,
                      after_shards: Optional[Callable[[], None]] = None) -> Path:
-    """Collective: every rank of `comm` must call it. `files` are this rank's shards (relpath -> object);
-    relpaths must be unique across ranks. `after_shards` runs on each rank once its shards are on disk, before the
-    manifest exists (fault-injection hook: a kill there must leave no usable checkpoint)."""
+    """Collective: every rank of `comm` must call it. `files` are this rank's shards (relpath -> object, or a
+    zero-argument callable returning it, called just before its file is written); relpaths must be unique across
+    ranks. `after_shards` runs on each rank once its shards are on disk, before the manifest exists (fault-injection
+    hook: a kill there must leave no usable checkpoint). Raises CheckpointWriteError on every rank if any rank's
+    write failed (nothing renamed, the tmp dir removed)."""
     final_dir = Path(final_dir)
     tmp = final_dir.with_name(f".{final_dir.name}.tmp")
+    failure: Optional[tuple[str, str]] = None
     if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failure = (str(tmp), _describe(e))
     comm.barrier()
-    digests = {}
+    digests: dict[str, dict] = {}
     for rel, obj in files.items():
-        data = serialize(obj)
-        _write_bytes(tmp / rel, data)
-        digests[rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "rank": comm.rank}
-    if after_shards is not None:
+        if failure is not None:
+            break
+        try:
+            digests[rel] = {**write_file(tmp / rel, obj() if callable(obj) else obj), "rank": comm.rank}
+        except OSError as e:
+            failure = (str(tmp / rel), _describe(e))
+    if after_shards is not None and failure is None:
         after_shards()
+    parts = comm.all_gather_object(failure if failure is not None else digests)
+    failed = [p for p in parts if isinstance(p, tuple)]
+    if failed:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        comm.barrier()
+        raise CheckpointWriteError(*failed[0])
     merged: dict[str, dict] = {}
-    for part in comm.all_gather_object(digests):
+    for part in parts:
         clash = merged.keys() & part.keys()
         if clash:
             raise CheckpointError(f"checkpoint files written by two ranks: {sorted(clash)}; shard plans overlap")
         merged.update(part)
+    commit_error: Optional[tuple[str, str]] = None
     if comm.rank == 0:
-        for sub in {(tmp / rel).parent for rel in merged}:
-            _fsync_dir(sub)
-        manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": merged, "meta": meta or {}}
-        _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        old = final_dir.with_name(f".{final_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        if final_dir.exists():
-            os.replace(final_dir, old)
-        os.replace(tmp, final_dir)
-        _fsync_dir(final_dir.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    comm.barrier()
+        try:
+            _commit(final_dir, tmp, step, merged, meta)
+        except OSError as e:
+            commit_error = (str(final_dir), _describe(e))
+            shutil.rmtree(tmp, ignore_errors=True)
+    commit_error = comm.broadcast_object(commit_error)
+    if commit_error is not None:
+        raise CheckpointWriteError(*commit_error)
     return final_dir
+
+
+def _commit(final_dir: Path, tmp: Path, step: int, merged: dict[str, dict], meta: Optional[dict]) -> None:
+    for sub in {(tmp / rel).parent for rel in merged}:
+        _fsync_dir(sub)
+    manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": merged, "meta": meta or {}}
+    _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    old = final_dir.with_name(f".{final_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final_dir.exists():
+        os.replace(final_dir, old)
+    os.replace(tmp, final_dir)
+    _fsync_dir(final_dir.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _describe(e: OSError) -> str:
+    name = os.strerror(e.errno) if e.errno else type(e).__name__
+    return f"{name} ({type(e).__name__}: {e})"
+
+
+def checkpoint_bytes(ckpt_dir: Path) -> int:
+    manifest = read_manifest(ckpt_dir) or {"files": {}}
+    return sum(int(info["bytes"]) for info in manifest["files"].values())
 
 
 def read_manifest(ckpt_dir: Path) -> Optional[dict]:
@@ -108,25 +256,41 @@ def read_manifest(ckpt_dir: Path) -> Optional[dict]:
     return manifest if isinstance(manifest, dict) and "step" in manifest and "files" in manifest else None
 
 
+def _digest_of(info: dict) -> tuple[str, str]:
+    for algo in ("xxh3_64", "crc32", "sha256"):
+        if algo in info:
+            return algo, info[algo]
+    raise CheckpointError(f"manifest entry {info} names no known digest")
+
+
+def verify_file(path: Path, info: dict) -> tuple[bool, str]:
+    if not path.is_file():
+        return False, f"{path}: missing"
+    if path.stat().st_size != info["bytes"]:
+        return False, f"{path}: {path.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
+    algo, want = _digest_of(info)
+    h = new_hasher(algo)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    if h.hexdigest() != want:
+        return False, f"{path}: {algo} mismatch (corrupted)"
+    return True, "ok"
+
+
 def verify(ckpt_dir: Path) -> tuple[bool, str]:
-    """(ok, reason): the manifest parses and every listed file exists with the recorded size and sha256."""
+    """(ok, reason): the manifest parses and every listed file exists with the recorded size and digest."""
     manifest = read_manifest(ckpt_dir)
     if manifest is None:
         return False, f"{ckpt_dir}: missing or unreadable {MANIFEST}"
     if held_verified(ckpt_dir, manifest):  # verified when this process loaded it into memory, unchanged since
         return True, "ok"
     for rel, info in manifest["files"].items():
-        path = Path(ckpt_dir) / rel
-        if not path.is_file():
-            return False, f"{path}: missing"
-        if path.stat().st_size != info["bytes"]:
-            return False, f"{path}: {path.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-        if h.hexdigest() != info["sha256"]:
-            return False, f"{path}: sha256 mismatch (corrupted)"
+        ok, reason = verify_file(Path(ckpt_dir) / rel, info)
+        if not ok:
+            return False, reason
     return True, "ok"
 
 

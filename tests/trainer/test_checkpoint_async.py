@@ -1,0 +1,118 @@
+"""Asynchronous checkpoints: the snapshot is the state at the request (training goes on meanwhile), host buffers are
+allocated once, a kill during the background persist and a full disk both leave the older slot valid, and a trainer
+whose checkpoints keep failing stops with EXIT_CHECKPOINT_WRITE."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+from trainer_harness import launch_ranks, tiny_cfg, write_run
+
+from moe_launch.conf.schema import FaultInjection
+from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, EXIT_OK, read_jsonl
+from moe_launch.trainer.checkpoint.manager import persist_failure_reason
+from moe_launch.trainer.checkpoint.persist import AsyncCheckpointer, PersistResult, Target
+from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot, load_file, verify
+from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.loop import Trainer
+
+torch.set_num_threads(1)
+
+
+def _target(path, rels):
+    return Target(path, {rel: (lambda host, rel=rel: host[rel]) for rel in rels})
+
+
+def test_persisted_checkpoint_holds_the_state_at_the_request(tmp_path):
+    w_N = torch.arange(1000, dtype=torch.float32)
+    results: list[PersistResult] = []
+    writer = AsyncCheckpointer(torch.device("cpu"), Comm(), results.append)
+    stall_s, previous = writer.request(3, [_target(tmp_path / "ckpt-a", ["model/dense.pt"])],
+                                       {"model/dense.pt": {"w": w_N}})
+    w_N.add_(1.0)  # the next optimizer step, while the write may still be going on
+    result = writer.wait()
+    assert previous is None and result is results[0] and result.ok and result.done == [str(tmp_path / "ckpt-a")]
+    assert 0 <= result.stall_s <= result.durable_s and result.bytes > 4000
+    assert verify(tmp_path / "ckpt-a") == (True, "ok")
+    assert torch.equal(load_file(tmp_path / "ckpt-a", "model/dense.pt")["w"], torch.arange(1000, dtype=torch.float32))
+
+
+def test_host_buffers_are_allocated_once(tmp_path):
+    state = {"model/dense.pt": {"w": torch.zeros(256), "b": torch.ones(3, dtype=torch.bfloat16)}}
+    writer = AsyncCheckpointer(torch.device("cpu"), Comm(), lambda r: None)
+    ptrs = []
+    for step, slot in ((1, "ckpt-a"), (2, "ckpt-b"), (3, "ckpt-a")):
+        writer.request(step, [_target(tmp_path / slot, ["model/dense.pt"])], state)
+        ptrs.append(sorted(t.data_ptr() for t in writer.snapshot.tree["model/dense.pt"].values()))
+    assert writer.wait().ok and ptrs[0] == ptrs[1] == ptrs[2]
+    assert writer.snapshot.nbytes == 256 * 4 + 3 * 2
+
+
+def test_stop_only_after_repeated_failures():
+    failed = PersistResult(step=4, dirs=["x"], ok=False, stall_s=0, durable_s=0, bytes=0, error="No space left on "
+                           "device", error_path="/ckpt/.ckpt-b.tmp/optim/ep0.pt")
+    assert persist_failure_reason([]) is None and persist_failure_reason([], final=True) is None
+    assert persist_failure_reason([failed]) is None
+    assert "optim/ep0.pt: No space left" in persist_failure_reason([failed], final=True)
+    assert "2 checkpoints in a row" in persist_failure_reason([failed, failed])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs with room for one checkpoint of the tiny model (1.1 MB) but not two."""
+    disk = tmp_path / "run" / "checkpoints"
+    disk.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_full_disk_keeps_the_older_slot_and_stops_the_trainer(small_disk, data_cache):
+    cfg = tiny_cfg(data_cache)  # checkpoints at steps 2, 4, 6, 8
+    rd = write_run(small_disk.parent, cfg)
+    assert Trainer(cfg, rd).train() == EXIT_CHECKPOINT_WRITE
+    journal = read_jsonl(rd.journal)
+    written = [(r["details"]["slot"], r["details"]["step"]) for r in journal
+               if r["kind"] == "checkpoint" and not r["details"].get("failed")]
+    assert written == [("ckpt-a", 2)]
+    failed = [r["details"] for r in journal if r["details"].get("failed")]
+    assert [f["step"] for f in failed] == [4, 6]  # step 6 retried the same (non-newest) slot
+    assert all(".ckpt-b.tmp" in f["path"] and "No space left on device" in f["error"] for f in failed)
+    stop = next(r["details"] for r in journal if r["kind"] == "stop")
+    assert stop["reason"] == "checkpoint_write" and stop["step"] == 8 and stop["checkpoint"] == "ckpt-a"
+    choice = choose_resume_slot(rd.checkpoints)
+    assert (choice.path.name, choice.step, choice.fell_back) == ("ckpt-a", 2, False)
+    assert not (rd.checkpoints / ".ckpt-b.tmp").exists() and not (rd.checkpoints / "ckpt-b").exists()
+
+
+def test_kill_during_the_background_persist_resumes_from_the_older_slot(tmp_path, data_cache):
+    ref = write_run(tmp_path / "ref", tiny_cfg(data_cache))
+    assert Trainer(tiny_cfg(data_cache), ref).train() == EXIT_OK
+    cfg = tiny_cfg(data_cache, fault_injection=FaultInjection(kind="kill_during_ckpt", rank=0, step=4, attempt=0))
+    rd = write_run(tmp_path / "run", cfg)
+    (proc,) = launch_ranks(rd, world=1)
+    assert proc.returncode == -9, proc.stdout[-3000:]
+    assert (rd.checkpoints / ".ckpt-b.tmp" / "trainer.pt").exists()  # its shards were on disk
+    assert not (rd.checkpoints / ".ckpt-b.tmp" / MANIFEST).exists() and not (rd.checkpoints / "ckpt-b").exists()
+    choice = choose_resume_slot(rd.checkpoints)
+    assert (choice.path.name, choice.step) == ("ckpt-a", 2)
+    (proc,) = launch_ranks(rd, world=1, attempt=1)
+    assert proc.returncode == EXIT_OK, proc.stdout[-3000:]
+    final = choose_resume_slot(rd.checkpoints).path
+    ref_final = choose_resume_slot(ref.checkpoints).path
+    for rel in ("model/dense.pt", "model/experts-ep0.pt", "optim/ep0.pt"):
+        _assert_bitwise(load_file(final, rel), load_file(ref_final, rel))
+
+
+def _assert_bitwise(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_bitwise(a[k], b[k])
+    else:
+        assert a == b
