@@ -32,11 +32,22 @@ import torch
 from moe_launch import rundir
 from moe_launch.conf.schema import RootConfig
 from moe_launch.errors import CheckpointError, ConfigError
-from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, EXIT_SOFT_FAULT, RunDir, journal_event, node_name
+from moe_launch.rundir import (
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_SOFT_FAULT,
+    RunDir,
+    journal_event,
+    node_name,
+)
 from moe_launch.trainer import faults
+from moe_launch.trainer.checkpoint import layout as ckpt_layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
-from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot, next_slot
+from moe_launch.trainer.checkpoint.manager import CheckpointManager
+from moe_launch.trainer.checkpoint.state import FileNames, device_state
+from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot
 from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.host_restore import is_held
@@ -211,8 +222,7 @@ class Trainer:
             self.loader.load_state_dict(saved_state["data"])
             if self.spikes is not None:  # a resumed run judges spikes against the history the original had
                 self.spikes = SpikeDetector(t.spike, saved_state.get("spike_history"))
-        self.newest_slot: Optional[str] = self.resume.path.name if self.resume.path is not None else None
-        self.last_ckpt_step = self.start_step
+        self.ckpt = self._checkpoint_manager()
         self.phases.mark("restore_end")
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -345,14 +355,20 @@ class Trainer:
                   f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, compute {self.dtype}, "
                      f"parameters {self.param_dtype}")
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tracking, t.progress, config=asdict(self.cfg))
+        code: Optional[int] = None
         try:
             for step in range(self.start_step, t.steps):
                 code = self._step(step, sink)
                 if code is not None:
-                    return code
-            if t.ckpt_interval and self.last_ckpt_step < t.steps:
-                self.save_checkpoint(t.steps)
-            return EXIT_OK
+                    return self._finish_checkpoints(code)
+            if t.ckpt_interval and self.ckpt.requested_step < t.steps:
+                code = self._save_checkpoints(t.steps, full=True, model_only=False)
+            return self._finish_checkpoints(EXIT_OK) if code is None else code
+        except BaseException:
+            # a crash of this rank: the in-flight checkpoint still completes (the writers of every rank meet on a
+            # group of their own, which the training's blocked collectives do not hold up)
+            self.ckpt.finish_quietly()
+            raise
         finally:
             if sink is not None:
                 sink.close()
@@ -430,6 +446,7 @@ class Trainer:
         spike = self._check_spike(done, float(shared[world + 1]) / world, grad_norm)
         if spike is not None and t.spike.action != "skip":
             return self._spike_exit(spike)
+        self.ckpt.fence()  # the snapshot of the last checkpoint is read from these tensors until here
         if spike is None:  # a skipped spike drops the update; the data position and the schedule move on
             self.optimizer.step(lr)
         self.optimizer.zero_grad()
@@ -446,19 +463,18 @@ class Trainer:
             time.sleep(t.step_sleep_s)
             self._slept = t.step_sleep_s
         stop = flags[world] > 0
-        saved = False
-        if (t.ckpt_interval and done % t.ckpt_interval == 0) or stop:  # preemption always leaves a checkpoint
-            self.save_checkpoint(done)
-            saved = True
-        if t.model_ckpt_interval and done % t.model_ckpt_interval == 0:
-            self.save_model_checkpoint(done)
-            saved = True
-        if saved:  # a long write must not look like a hang to the supervisor
-            write_heartbeat(self.run_dir, self.rank, done, self.host)
+        full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
+        model_only = bool(t.model_ckpt_interval and done % t.model_ckpt_interval == 0)
+        if full or model_only:
+            code = self._save_checkpoints(done, full, model_only)
+            if code is not None:
+                return code
         if stop:
+            code = self._finish_checkpoints(EXIT_PREEMPTED)  # the preemption checkpoint must be durable first
             if self.rank == 0:
-                journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done, checkpoint=self.newest_slot)
-            return EXIT_PREEMPTED
+                journal_event(self.run_dir, "stop", self.hosts, reason="signal", step=done,
+                              checkpoint=self.ckpt.newest_slot)
+            return code
         return None
 
     def _check_spike(self, done: int, loss: float, grad_norm: float) -> Optional[Spike]:
@@ -599,28 +615,34 @@ class Trainer:
             return faults.sigkill_self
         return None
 
-    def save_checkpoint(self, done: int) -> None:
-        slot = next_slot(self.newest_slot)
-        t0 = time.perf_counter()
-        save, coords = self._ckpt_writer()
-        save(self.run_dir.checkpoints / slot, done, coords, self.model, self.optimizer, self._trainer_state(done),
-             self.comm, self.device, after_shards=self._kill_hook(done))
-        self.newest_slot, self.last_ckpt_step = slot, done
-        if self.rank == 0:
-            journal_event(self.run_dir, "checkpoint", [], slot=slot, step=done,
-                          seconds=round(time.perf_counter() - t0, 3))
-
-    def save_model_checkpoint(self, done: int) -> None:
-        path = self.run_dir.checkpoints / f"model-step-{done}"
-        save, coords = self._ckpt_writer()
-        save(path, done, coords, self.model, None, {}, self.comm, self.device, model_only=True,
-             meta={"model": asdict(self.cfg.model)})
-        if self.rank == 0:
-            journal_event(self.run_dir, "checkpoint", [], slot=path.name, step=done, model_only=True)
-
-    def _ckpt_writer(self):
-        """(save function, coordinates): stage-sharded files under PP, trainer/checkpoint's layout otherwise. Both
-        write the same protocol (store.write_checkpoint), so slots, verification and resume choice are shared."""
+    def _checkpoint_manager(self) -> CheckpointManager:
+        """Stage-sharded files under PP (trainer/pipeline/ckpt.py), trainer/checkpoint's layout otherwise; both are
+        written by the same asynchronous dual-slot protocol."""
         if self.pipeline is not None:
-            return stage_ckpt.save, self.scoords
-        return ckpt_state.save, self.coords
+            files, writes = stage_ckpt.file_names(self.scoords), (lambda m: stage_ckpt.writes(self.scoords, m))
+        else:
+            files, writes = FileNames.of(self.coords), (lambda m: ckpt_layout.writes(self.coords, model_only=m))
+        newest = self.resume.path.name if self.resume.path is not None else None
+        return CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
+                                 asdict(self.cfg.model), self._kill_hook)
+
+    def _save_checkpoints(self, done: int, full: bool, model_only: bool) -> Optional[int]:
+        """Snapshot now, persist in the background; EXIT_CHECKPOINT_WRITE once persisting keeps failing."""
+        reason = self.ckpt.save(done, full, model_only, lambda rels: device_state(
+            rels, self.ckpt.files, self.model, self.optimizer, self._trainer_state(done), self.device))
+        write_heartbeat(self.run_dir, self.rank, done, self.host)  # waiting for a slow persist is no hang
+        return None if reason is None else self._stop_checkpoint_write(done, reason)
+
+    def _finish_checkpoints(self, code: int) -> int:
+        """Wait until the in-flight checkpoint is durable before exiting with `code`."""
+        reason = self.ckpt.finish()
+        if reason is not None and code == EXIT_OK:
+            return self._stop_checkpoint_write(self.ckpt.last_step, reason)
+        return code
+
+    def _stop_checkpoint_write(self, done: int, reason: str) -> int:
+        if self.rank == 0:
+            log.error(reason)
+            journal_event(self.run_dir, "stop", self.hosts, reason="checkpoint_write", step=done, what=reason,
+                          checkpoint=self.ckpt.newest_slot)
+        return EXIT_CHECKPOINT_WRITE

@@ -6,6 +6,7 @@ Files and writers are defined in checkpoint/layout.py, the atomic write protocol
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -14,14 +15,17 @@ from torch import nn
 
 from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
+from moe_launch.trainer.checkpoint.snapshot import HostSnapshot
 from moe_launch.trainer.checkpoint.store import load_file, verify, write_checkpoint
 from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.parallel.optimizer import state_dict_from_views
 
 
 def model_part(model: nn.Module, part: str) -> dict[str, torch.Tensor]:
-    """'dense' (every non-expert parameter) or 'experts' (this rank's local expert slices), detached on CPU."""
+    """'dense' (every non-expert parameter) or 'experts' (this rank's local expert slices): the live parameters,
+    detached, not copied (a HostSnapshot copies them to host memory)."""
     want_expert = part == "experts"
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+    return {n: p.detach() for n, p in model.named_parameters()
             if bool(getattr(p, "_moe_expert", False)) == want_expert}
 
 
@@ -39,24 +43,63 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def _builders(c: layout.Coords, model: nn.Module, optimizer: Any, trainer_state: dict, device: torch.device
-              ) -> dict[str, Callable[[], Any]]:
-    out: dict[str, Callable[[], Any]] = {rel: (lambda part=part: model_part(model, part))
-                                         for rel, part in layout.model_files(c).items()}
-    if optimizer is not None:
-        out[layout.optimizer_file(c)] = optimizer.state_dict
-    out[layout.rng_file(c)] = lambda: capture_rng(device)
-    out[layout.TRAINER_FILE] = lambda: trainer_state
+def device_state(rels: list[str], files: FileNames, model: nn.Module, optimizer: Any, trainer_state: dict,
+                 device: torch.device) -> dict[str, Any]:
+    """{relpath: tree of live tensors and values} of the files `rels` (this rank's writes): nothing is copied, so
+    this allocates nothing on the device. `HostSnapshot.capture` copies the trees to host memory."""
+    out: dict[str, Any] = {}
+    for rel in rels:
+        if rel in files.model:
+            out[rel] = model_part(model, files.model[rel])
+        elif rel == files.optimizer:
+            out[rel] = optimizer.state_views()
+        elif rel == files.rng:
+            out[rel] = capture_rng(device)
+        elif rel == layout.TRAINER_FILE:
+            out[rel] = trainer_state
+        else:
+            raise CheckpointError(f"no builder for checkpoint file {rel}: the layout and the state disagree")
     return out
+
+
+def file_object(rel: str, files: FileNames) -> Callable[[dict], Any]:
+    """The object saved as `rel`, from the host copy of `device_state`: the optimizer's views become its
+    state_dict (the fp32 master joined on the host), everything else is saved as captured."""
+    if rel == files.optimizer:
+        return lambda host: state_dict_from_views(host[rel])
+    return lambda host: host[rel]
+
+
+@dataclass(frozen=True)
+class FileNames:
+    """The names of one rank's checkpoint files: {model relpath: part}, its optimizer file, its RNG file."""
+
+    model: dict[str, str]
+    optimizer: str
+    rng: str
+
+    @classmethod
+    def of(cls, c: layout.Coords) -> "FileNames":
+        return cls(layout.model_files(c), layout.optimizer_file(c), layout.rng_file(c))
 
 
 def save(ckpt_dir: Path, step: int, c: layout.Coords, model: nn.Module, optimizer: Any, trainer_state: dict,
          comm: Comm, device: torch.device, model_only: bool = False, meta: Optional[dict] = None,
          after_shards: Optional[Callable[[], None]] = None) -> Path:
-    """Collective over `comm`: each rank writes its files of the layout (optimizer may be None if model_only)."""
-    builders = _builders(c, model, None if model_only else optimizer, trainer_state, device)
-    files = {rel: builders[rel]() for rel in layout.writes(c, model_only=model_only)}
-    return write_checkpoint(ckpt_dir, step, files, comm, meta=meta, after_shards=after_shards)
+    """Synchronous save. Collective over `comm`: each rank writes its files of the layout (optimizer may be None if
+    model_only). The trainer saves asynchronously through checkpoint/persist.py instead."""
+    return save_files(ckpt_dir, step, layout.writes(c, model_only=model_only), FileNames.of(c), model, optimizer,
+                      trainer_state, comm, device, meta=meta, after_shards=after_shards)
+
+
+def save_files(ckpt_dir: Path, step: int, rels: list[str], files: FileNames, model: nn.Module, optimizer: Any,
+               trainer_state: dict, comm: Comm, device: torch.device, meta: Optional[dict] = None,
+               after_shards: Optional[Callable[[], None]] = None) -> Path:
+    snap = HostSnapshot(device)
+    host = snap.capture(device_state(rels, files, model, optimizer, trainer_state, device), step)
+    snap.wait()
+    objs = {rel: file_object(rel, files)(host) for rel in rels}
+    return write_checkpoint(ckpt_dir, step, objs, comm, meta=meta, after_shards=after_shards)
 
 
 def load_model(ckpt_dir: Path, c: layout.Coords, model: nn.Module) -> None:

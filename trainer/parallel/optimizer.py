@@ -158,8 +158,10 @@ class ShardedAdamW:
         """Bytes this optimizer holds beside the parameters and their gradients: moments and bf16 remainders."""
         return sum(t.numel() * t.element_size() for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq, b.remainder))
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shards plus the layout needed to reassemble or reshard them (see trainer/parallel/ckpt)."""
+    def state_views(self) -> dict[str, Any]:
+        """`state_dict()`'s layout holding the live tensors instead of copies, with the master as it is stored:
+        "param_shard" plus "remainder" (bf16 parameters; None for fp32). A checkpoint snapshot copies these to host
+        memory without allocating on the device; `state_dict_from_views` turns that copy into the state_dict."""
         return {
             "strategy": self.strategy,
             "step": self.step_count,
@@ -169,13 +171,22 @@ class ShardedAdamW:
                     "numel": b.numel,
                     "shard_index": b.shard_axis.rank,
                     "shard_count": b.shard_count,
-                    "master": b.master.clone(),
-                    "exp_avg": b.exp_avg.clone(),
-                    "exp_avg_sq": b.exp_avg_sq.clone(),
+                    "param_shard": b.param_shard,
+                    "remainder": b.remainder if b.dtype == torch.bfloat16 else None,
+                    "exp_avg": b.exp_avg,
+                    "exp_avg_sq": b.exp_avg_sq,
                 }
                 for b in self.buckets
             },
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards plus the layout needed to reassemble or reshard them (trainer/parallel/reshard.py)."""
+        views = self.state_views()
+        for v in views["buckets"].values():
+            for k in ("param_shard", "exp_avg", "exp_avg_sq"):
+                v[k] = v[k].clone()
+        return state_dict_from_views(views)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Load shards saved with the same layout (same strategy and group sizes). The master shard is also this
@@ -195,7 +206,7 @@ class ShardedAdamW:
             if s["shard_count"] != b.shard_count or s["shard_index"] != b.shard_axis.rank:
                 raise CheckpointError(
                     f"bucket {b.name}: saved as shard {s['shard_index']}/{s['shard_count']}, this rank holds "
-                    f"{b.shard_axis.rank}/{b.shard_count}; load through trainer.parallel.ckpt, which reshards"
+                    f"{b.shard_axis.rank}/{b.shard_count}; resume through trainer/parallel/resume.py, which reshards"
                 )
         for b in self.buckets:
             s = saved[b.name]
@@ -313,6 +324,18 @@ class ShardedAdamW:
                 master = join_master(b.param_shard[lo:hi], b.remainder[lo:hi])
                 adamw_reference_(master, b.exp_avg[lo:hi], b.exp_avg_sq[lo:hi], g, s)
                 b.set_master(lo, master)
+
+
+def state_dict_from_views(views: dict[str, Any]) -> dict[str, Any]:
+    """`ShardedAdamW.state_views()` (or a host copy of it) -> the state_dict format: the fp32 "master" joined from
+    the parameter shard and remainder on whatever device the views live."""
+    buckets = {}
+    for name, v in views["buckets"].items():
+        master = v["param_shard"] if v["remainder"] is None else join_master(v["param_shard"], v["remainder"])
+        buckets[name] = {"param_names": v["param_names"], "numel": v["numel"], "shard_index": v["shard_index"],
+                         "shard_count": v["shard_count"], "master": master, "exp_avg": v["exp_avg"],
+                         "exp_avg_sq": v["exp_avg_sq"]}
+    return {"strategy": views["strategy"], "step": views["step"], "buckets": buckets}
 
 
 def build_optimizer(model: nn.Module, train_cfg: Any, parallel_cfg: Any, groups: Groups,

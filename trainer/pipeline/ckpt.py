@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from moe_launch.errors import CheckpointError
-from moe_launch.trainer.checkpoint.state import capture_rng, model_part
-from moe_launch.trainer.checkpoint.store import load_file, read_manifest, write_checkpoint
+from moe_launch.trainer.checkpoint.state import FileNames, save_files
+from moe_launch.trainer.checkpoint.store import load_file, read_manifest
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.groups import Groups
 from moe_launch.trainer.parallel.reshard import model_shard_writer
@@ -91,17 +91,16 @@ def writes(c: StageCoords, model_only: bool = False) -> list[str]:
     return out
 
 
+def file_names(c: StageCoords) -> FileNames:
+    return FileNames(model_files(c), optimizer_file(c), rng_file(c))
+
+
 def save(ckpt_dir: Path, step: int, c: StageCoords, model: nn.Module, optimizer: Any, trainer_state: dict,
          comm: Comm, device: torch.device, model_only: bool = False, meta: Optional[dict] = None,
          after_shards: Optional[Callable[[], None]] = None) -> Path:
-    """Collective over `comm` (the world): each rank writes its files of `writes(c)`."""
-    builders: dict[str, Callable[[], Any]] = {rel: (lambda part=part: model_part(model, part))
-                                              for rel, part in model_files(c).items()}
-    builders[optimizer_file(c)] = lambda: optimizer.state_dict()
-    builders[rng_file(c)] = lambda: capture_rng(device)
-    builders[TRAINER_FILE] = lambda: trainer_state
-    files = {rel: builders[rel]() for rel in writes(c, model_only)}
-    return write_checkpoint(Path(ckpt_dir), step, files, comm, meta=meta, after_shards=after_shards)
+    """Synchronous save, collective over `comm` (the world): each rank writes its files of `writes(c)`."""
+    return save_files(Path(ckpt_dir), step, writes(c, model_only), file_names(c), model, optimizer, trainer_state,
+                      comm, device, meta=meta, after_shards=after_shards)
 
 
 def load_stage_model(ckpt_dir: Path, c: StageCoords, model: nn.Module) -> None:
