@@ -51,6 +51,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         torch.set_num_threads(max(1, int(os.environ["SLURM_CPUS_PER_TASK"])))
     if cfg.train.deterministic:  # cuBLAS reads this when CUDA starts; it must precede any CUDA call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # NCCL picks ring or tree per message size and topology, and the two sum in different orders: one algorithm
+        # for every size keeps an all-reduce's bits a function of the inputs (for a fixed GPU count and topology)
+        os.environ.setdefault("NCCL_ALGO", "Ring")
     from moe_launch.trainer.compile import compile_cache_env
 
     for key, value in compile_cache_env(args.run_dir.absolute()).items():

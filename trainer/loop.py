@@ -99,12 +99,12 @@ log = logging.getLogger(LOGGER)
 
 
 def set_determinism(deterministic: bool, device: torch.device) -> None:
-    """CPU: bitwise repeatable (tested). GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts
-    (__main__ does it). Seen on one H200 (torch 2.11, tiny_moe, reference experts, SDPA): two runs gave bitwise equal
-    losses over 20 steps. Caveats: torch raises (warn_only=False) for an op without a deterministic CUDA kernel
-    rather than letting runs drift; atomics-based kernels (Triton scatter/combine in kernels/, model.moe.impl=fast)
-    and a different GPU count, GPU model or library version are outside the guarantee; NCCL all-reduce is
-    deterministic for a fixed topology and algorithm only."""
+    """CPU: bitwise repeatable (tested). GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts, and pins
+    NCCL_ALGO=Ring (__main__ does both). Measured on one H200 (benchmarks/stability.py, RESULTS.md): two 50-step runs,
+    and one interrupted and resumed at step 25, end with bitwise-equal parameters and optimizer state, with the
+    FastSparseMoE kernels and fused AdamW (they use no atomics, so deterministic mode keeps them) as with the
+    reference experts. Caveats: torch raises (warn_only=False) for an op without a deterministic CUDA kernel rather
+    than letting runs drift; a different GPU count, GPU model or library version is outside the guarantee."""
     torch.use_deterministic_algorithms(deterministic)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not deterministic

@@ -127,3 +127,17 @@ def test_rollback_without_a_model_checkpoint_before_the_spike_stops(tmp_path, da
     rd = write_run(tmp_path / "run", cfg)
     assert Trainer(cfg, rd).train() == EXIT_SPIKE
     assert "no persistent model checkpoint" in _spikes(rd)[-1]["what"]
+
+
+def test_stop_exits_with_the_diagnosis_before_the_update(tmp_path, data_cache):
+    from moe_launch.trainer.loop import Trainer
+
+    cfg = tiny_cfg(data_cache, steps=8, ckpt_interval=2, spike=SpikeConfig(action="stop", **SPIKE),
+                   fault_injection=FaultInjection(kind="loss_spike", rank=0, step=7))
+    rd = write_run(tmp_path / "run", cfg)
+    trainer = Trainer(cfg, rd)
+    assert trainer.train() == EXIT_SPIKE
+    (spike,) = _spikes(rd)
+    assert spike["step"] == 7 and spike["action"] == "stop" and "above" in spike["what"]
+    assert trainer.optimizer.step_count == 6  # the spiking step was not applied
+    assert not (rd.root / ROLLBACK_FILE).exists()
