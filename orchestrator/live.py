@@ -1,8 +1,9 @@
 """The login side's view of a run, built only from the run directory (journal.jsonl, metrics.jsonl, summary.json),
 so `moe-launch attach` after a lost login session shows exactly what the original session showed.
 
-`snapshot()` is pure over the files' contents; `LiveView` renders it with rich (a live panel on a terminal, one
-plain line per journal event otherwise: CI logs and tests).
+`snapshot()` is pure over the files' contents; `LiveView` renders it with rich (a live panel on a terminal; otherwise
+one plain line per journal event and per logged step, in time order, so `moe-launch ... | tee` and CI logs show the
+loss as it goes).
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def describe(rec: dict[str, Any]) -> str:
     return f"{t} {rec.get('kind', '?'):<10} {nodes:<20} {text}"
 
 
+def plain_lines(journal: list[dict[str, Any]], metrics: list[dict[str, Any]], total_steps: int) -> list[str]:
+    """Pure: new journal records and new metrics records as lines, merged by time."""
+    from moe_launch.trainer.tracking.steplog import format_step_line
+
+    stamped = [(r.get("time", 0), describe(r)) for r in journal]
+    stamped += [(m.get("time", 0), f"{time.strftime('%H:%M:%S', time.localtime(m.get('time', 0)))} "
+                                   f"{'step':<10} {format_step_line(m, total_steps)}") for m in metrics if "step" in m]
+    return [line for _, line in sorted(stamped, key=lambda tl: tl[0])]
+
+
 def render(s: Snapshot) -> Group:
     last = s.metrics[-1] if s.metrics else {}
     st = s.state
@@ -124,6 +135,7 @@ class LiveView:
         self.rd, self.want, self.max_restarts, self.total_steps = rd, want, max_restarts, total_steps
         self.console = console or Console()
         self.printed = 0
+        self.printed_steps = 0
         self.live: Optional[Live] = None
         if self.console.is_terminal:
             self.live = Live(console=self.console, refresh_per_second=2, transient=False)
@@ -134,9 +146,9 @@ class LiveView:
         if self.live is not None:
             self.live.update(render(s))
         else:
-            for rec in s.journal[self.printed:]:
-                self.console.print(describe(rec), markup=False, highlight=False, soft_wrap=True)
-            self.printed = len(s.journal)
+            for line in plain_lines(s.journal[self.printed:], s.metrics[self.printed_steps:], self.total_steps):
+                self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            self.printed, self.printed_steps = len(s.journal), len(s.metrics)
         return s
 
     def close(self) -> None:

@@ -30,11 +30,14 @@ def test_readme_walkthrough_runs(tmp_path):
     pytest.importorskip("transformers")
     commands, snippet = walkthrough_blocks((REPO / "README.md").read_text())
     assert len(commands) == 5
+    outputs = []
     for line in commands:
         cmd = line.replace(".venv/bin/", f"{VENV_BIN}/")
         proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=400,
                               stdin=subprocess.DEVNULL)
         assert proc.returncode == 0, (line, proc.stdout[-3000:], proc.stderr[-3000:])
+        outputs.append(proc.stdout)
+    assert "step 6/6 | loss" in outputs[2]  # the training command's output is a pipe here: it shows the steps
     run = tmp_path / "runs" / "mine"
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert (run / "plots" / "report.html").exists() and (run / "plots" / "expert_load.png").exists()
