@@ -1,4 +1,4 @@
-"""Expert-parallel training benchmark (issue 5): EP=2 training of a 4-layer OLMoE-shaped model.
+"""Expert-parallel training benchmark: EP=2 training of a 4-layer OLMoE-shaped model.
 
 On 2 GPUs:   PYTHONUNBUFFERED=1 torchrun --nproc-per-node 2 benchmarks/ep_train.py --out $OUT
 CPU smoke:   python benchmarks/ep_train.py --cpu          (spawns 2 gloo ranks itself; tiny dims; checks the script)

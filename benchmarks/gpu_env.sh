@@ -1,4 +1,4 @@
-# Sourced by the device scripts (run_all_gpu.sh, run_issue11_gpu.sh): environment, editable install, GPU inventory
+# Sourced by the device scripts (run_all_gpu.sh, run_training_gpu.sh): environment, editable install, GPU inventory
 # and `run NAME SECONDS CMD...` (log to $OUT/NAME.log with its exit code; RUN_TAIL lines of it echoed afterwards).
 # Needs the pure-Python deps the GPU image lacks (omegaconf, hydra, submitit) in .pydeps/ (carried).
 set -u

@@ -1,4 +1,4 @@
-"""Loss-curve benchmark (issue 11): does the fast training path learn like the reference MoE path?
+"""Loss-curve benchmark: does the fast training path learn like the reference MoE path?
 
 On one GPU:   PYTHONUNBUFFERED=1 python benchmarks/loss_curve.py --out $OUT          (~1 min per run on an H200)
 CPU smoke:    python benchmarks/loss_curve.py --smoke --out /tmp/lc                  (tiny model, 5 steps)

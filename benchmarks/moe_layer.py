@@ -1,4 +1,4 @@
-"""MoE layer forward+backward benchmark (issue 4): FastSparseMoE kernels against the reference layer and HF OLMoE.
+"""MoE layer forward+backward benchmark: FastSparseMoE kernels against the reference layer and HF OLMoE.
 
 Run on one GPU:  PYTHONUNBUFFERED=1 python benchmarks/moe_layer.py --out $OUT
 Smoke run on CPU (fp32, tiny, checks the script itself):  python benchmarks/moe_layer.py --smoke
@@ -56,7 +56,7 @@ def make_layer(experts_fn, params, K, uniform=False, **kw):
 
 
 def naive_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0):
-    """The issue's 'naive pipeline' baseline: argsort + gather + 3x torch._grouped_mm + index_add, plain autograd."""
+    """The naive pipeline baseline: argsort + gather + 3x torch._grouped_mm + index_add, plain autograd."""
     T, K = idx_TK.shape
     flat = idx_TK.reshape(-1)
     order = torch.argsort(flat, stable=True)

@@ -1,4 +1,4 @@
-"""Pipeline-parallel training step benchmark (issue 10): bubble fraction, tokens/s and peak memory per schedule.
+"""Pipeline-parallel training step benchmark: bubble fraction, tokens/s and peak memory per schedule.
 
 On the device (2 GPUs, PP=2 of an 8-layer OLMoE-shaped model, bf16 autocast, fp32 weights):
     torchrun --nproc-per-node 2 benchmarks/pp_train.py --out $OUT

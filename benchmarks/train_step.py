@@ -1,4 +1,4 @@
-"""Training-step benchmark (issue 11): our trainer's step against HF OlmoeForCausalLM, same shapes, same tokens.
+"""Training-step benchmark: our trainer's step against HF OlmoeForCausalLM, same shapes, same tokens.
 
 Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/train_step.py --out $OUT
 CPU smoke test:   python benchmarks/train_step.py --smoke

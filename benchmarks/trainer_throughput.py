@@ -1,4 +1,4 @@
-"""The trainer itself at the OLMoE-1B-7B shapes (issue 11): `python -m moe_launch.trainer` on a real run directory and
+"""The trainer itself at the OLMoE-1B-7B shapes: `python -m moe_launch.trainer` on a real run directory and
 real npy shards, its own per-step timing from metrics.jsonl (data loading, fault checks, host sync, logging included).
 
 Run on one GPU:   PYTHONUNBUFFERED=1 python benchmarks/trainer_throughput.py --out $OUT

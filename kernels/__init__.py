@@ -1,4 +1,4 @@
-"""FastSparseMoE kernels (issue 4): token counting, index generation, gather, grouped GEMM, output reduction.
+"""FastSparseMoE kernels: token counting, index generation, gather, grouped GEMM, output reduction.
 
 Entry points (each stage file holds the Triton path, a plain-torch reference, and one function that chooses):
   moe.fast_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0) -> y_TD

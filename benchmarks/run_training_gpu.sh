@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 11 on the device, in two calls on nvidia-h200-x2 (each under the 10-minute limit); logs + JSON under $OUT.
-#   bash benchmarks/run_issue11_gpu.sh step     train_step rows (GPU 0) + the real trainer at the OLMoE shapes
-#   bash benchmarks/run_issue11_gpu.sh ep       EP=2 over both GPUs (bf16 params, compiled), then the real trainer
+# The training-step measurements on the device, in two calls on nvidia-h200-x2 (each under the 10-minute limit); logs + JSON under $OUT.
+#   bash benchmarks/run_training_gpu.sh step     train_step rows (GPU 0) + the real trainer at the OLMoE shapes
+#   bash benchmarks/run_training_gpu.sh ep       EP=2 over both GPUs (bf16 params, compiled), then the real trainer
 #                                               (GPU 0) beside the 200-step loss curve (GPU 1)
 source "$(dirname "$0")/gpu_env.sh"
 case "${1:-step}" in
