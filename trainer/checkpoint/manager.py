@@ -107,7 +107,7 @@ class CheckpointManager:
             log.warning(f"the checkpoint in flight at the crash did not complete: {e}")
 
     def _builders(self, rels: list[str]) -> dict[str, Callable[[dict], Any]]:
-        return {rel: file_object(rel, self.files) for rel in rels}
+        return {rel: file_object(rel, self.files, self.writer.snapshot.scratch) for rel in rels}
 
     def _absorb(self, result: Optional[PersistResult]) -> Optional[str]:
         if result is None:
@@ -130,7 +130,8 @@ class CheckpointManager:
             extra = {"model_only": True} if name.startswith("model-") else {}
             journal_event(self.run_dir, "checkpoint", [], slot=name, step=r.step, stall_s=round(r.stall_s, 4),
                           durable_s=round(r.durable_s, 3), waited_s=round(r.waited_s, 3),
-                          bytes=checkpoint_bytes(Path(d)), pinned_bytes=self.pinned_bytes, **extra)
+                          bytes=checkpoint_bytes(Path(d)), pinned_bytes=self.pinned_bytes,
+                          scratch_bytes=self.writer.snapshot.scratch_bytes, **extra)
         if not r.ok:
             journal_event(self.run_dir, "checkpoint", [], failed=True, step=r.step, path=r.error_path,
                           error=r.error, durable_s=round(r.durable_s, 3))

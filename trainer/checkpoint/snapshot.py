@@ -29,6 +29,7 @@ class HostSnapshot:
         self.device = device
         self.pinned = device.type == "cuda"
         self._buffers: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, torch.Tensor] = {}  # plain host buffers the writer derives file contents in
         self._stream = torch.cuda.Stream(device) if self.pinned else None
         self._done: Optional[torch.cuda.Event] = None
         self.tree: Any = None  # the latest captured tree (host tensors), valid after wait()
@@ -38,6 +39,18 @@ class HostSnapshot:
     def nbytes(self) -> int:
         """Host memory held by the buffers (pinned when `pinned`)."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values())
+
+    @property
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._scratch.values())
+
+    def scratch(self, key: str, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A reusable plain host buffer (not pinned: only the CPU reads and writes it)."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.shape != shape or buf.dtype != dtype:
+            buf = torch.empty(shape, dtype=dtype)
+            self._scratch[key] = buf
+        return buf
 
     def capture(self, tree: Any, step: int) -> Any:
         """Queue copies of every tensor leaf of `tree` into this snapshot's buffers; returns the host tree."""

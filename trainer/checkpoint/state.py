@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moe_launch.errors import CheckpointError
+from moe_launch.kernels.adamw import join_master
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint.snapshot import HostSnapshot
 from moe_launch.trainer.checkpoint.store import load_file, verify, write_checkpoint
@@ -62,12 +63,31 @@ def device_state(rels: list[str], files: FileNames, model: nn.Module, optimizer:
     return out
 
 
-def file_object(rel: str, files: FileNames) -> Callable[[dict], Any]:
+def file_object(rel: str, files: FileNames, scratch: Optional[Scratch] = None) -> Callable[[dict], Any]:
     """The object saved as `rel`, from the host copy of `device_state`: the optimizer's views become its
-    state_dict (the fp32 master joined on the host), everything else is saved as captured."""
+    state_dict (the fp32 master joined on the host, chunk by chunk into `scratch` buffers when given), everything
+    else is saved as captured."""
     if rel == files.optimizer:
-        return lambda host: state_dict_from_views(host[rel])
+        return lambda host: state_dict_from_views(_joined_on_host(host[rel], scratch) if scratch else host[rel])
     return lambda host: host[rel]
+
+
+Scratch = Callable[[str, torch.Size], torch.Tensor]  # (key, shape) -> a reusable fp32 host buffer
+JOIN_CHUNK = 1 << 24  # elements per join: bounds the int32 temporaries to 64 MiB
+
+
+def _joined_on_host(views: dict, scratch: Scratch) -> dict:
+    """The optimizer views with every bf16 master (parameter + remainder) joined into an fp32 scratch buffer."""
+    out = dict(views, buckets={})
+    for name, v in views["buckets"].items():
+        if v["remainder"] is not None:
+            p_S, r_S = v["param_shard"], v["remainder"]
+            master_S = scratch(f"{name}/master", p_S.shape)
+            for lo in range(0, p_S.numel(), JOIN_CHUNK):
+                master_S[lo : lo + JOIN_CHUNK] = join_master(p_S[lo : lo + JOIN_CHUNK], r_S[lo : lo + JOIN_CHUNK])
+            v = dict(v, param_shard=master_S, remainder=None)
+        out["buckets"][name] = v
+    return out
 
 
 @dataclass(frozen=True)
