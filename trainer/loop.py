@@ -3,7 +3,8 @@
 One optimizer step (`_step`):
   forward/backward over the micro-batches of this rank's slice of the global batch (loss / accum steps)
   -> local fault check (own loss, own gradients, before the reduction could spread a NaN)
-  -> one all-reduce of [fault flag per rank | stop flag | loss parts]: every rank takes the same decision
+  -> one all-reduce of [fault flag per rank | stop flag | loss parts] (trainer/step_verdict.py): every rank takes
+     the same decision
   -> reduce gradients, clip, AdamW step (trainer/parallel/optimizer.py)
   -> heartbeat, metrics (rank 0), checkpoint / model checkpoint when due, preemption exit.
 Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage (trainer/pipeline/), the forward /
@@ -92,6 +93,7 @@ from moe_launch.trainer.spike import (
     rollback_applies,
 )
 from moe_launch.trainer.start_phases import StartPhases
+from moe_launch.trainer.step_verdict import agree
 from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
 from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
 
@@ -376,7 +378,7 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
-        """Returns local means over micro-batches: [loss, lm, aux, z] and the per-layer stats."""
+        """Returns this rank's loss parts P = [loss, lm, aux, z] (means over micro-batches) and per-layer stats."""
         batch_BL = self.loader.get(batch_for_step(step, self.rollback.skips)).to(self.device, non_blocking=True)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BL, done)
@@ -385,65 +387,51 @@ class Trainer:
         for mb_BL in batch_BL.split(self.cfg.train.micro_batch_size):
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 loss, parts = self.model.compute_loss(mb_BL[:, :-1], mb_BL[:, 1:])
-            if self.injection == "nan" and done == self.cfg.train.fault_injection.step:
+            if self._injects("nan", done):
                 loss = faults.poison_loss(loss)
-            if self.injection == "loss_spike" and done == self.cfg.train.fault_injection.step:
+            if self._injects("loss_spike", done):
                 loss = faults.spike_loss(loss)
             (loss / self.accum_steps).backward()
             sums += torch.stack([loss.detach(), parts.lm_loss, parts.aux_loss, parts.z_loss]).double()
             per_layer.append(parts)
-        if self.injection == "inf_grad" and done == self.cfg.train.fault_injection.step:
+        if self._injects("inf_grad", done):
             faults.poison_grads(list(self.model.parameters()))
         return sums / self.accum_steps, per_layer
 
     def _pipeline_forward_backward(self, batch_BL: torch.Tensor, done: int) -> tuple[torch.Tensor, list]:
         """Every stage of a pipeline reads the same rows (same data rank); the step returns the whole pipeline's means
         (one small all-reduce over the stages), so each stage reports what the unpipelined model would."""
-        fi = self.cfg.train.fault_injection
         loss, parts = pipeline_step(self.pipeline, list(batch_BL.split(self.cfg.train.micro_batch_size)),
                                     loss_scale=1.0 / self.accum_steps,
                                     autocast_dtype=None if self.dtype == torch.float32 else self.dtype)
         local_P = torch.stack([loss, parts.lm_loss, parts.aux_loss, parts.z_loss]).double()
-        if self.injection == "nan" and done == fi.step:
+        if self._injects("nan", done):
             # after the step: the loss is shared by the pipeline's stages, poisoning it inside would flag them all
             local_P[0] = float("nan")
-        if self.injection == "inf_grad" and done == fi.step:
+        if self._injects("inf_grad", done):
             faults.poison_grads(list(self.model.parameters()))
         return local_P, [parts]
 
     def _step(self, step: int, sink: Optional[MetricsSink]) -> Optional[int]:
         t, done = self.cfg.train, step + 1
         t0 = time.perf_counter()
-        if self.injection in ("hang", "crash", "sigkill") and done == t.fault_injection.step:
-            {"hang": faults.hang_forever, "sigkill": faults.sigkill_self}.get(self.injection, self._crash)()
-        local_BP, per_layer = self._forward_backward(step, done)
+        self._inject_before_step(done)
+        local_P, per_layer = self._forward_backward(step, done)
         if self.phases.pending:
             self.phases.first_backward_done(self.run_dir, write=self.rank == 0)
-        # this rank's fault flag stays on the device: one all-reduce and one host read decide for every rank
         local_norm = self.optimizer.local_grad_norm()  # over the flat gradient buffers; reused as the global norm
-        world = self.groups.world_size
-        shared = torch.zeros(world + 1 + 4, dtype=torch.float64, device=self.device)
-        shared[self.rank] = (~(torch.isfinite(local_BP[0]) & torch.isfinite(local_norm))).double()
-        shared[world] = 1.0 if self.stop_requested else 0.0
-        shared[world + 1:] = local_BP
-        self.comm.all_reduce_(shared)  # the one extra collective of the step
-        flags = shared[: world + 1].tolist()  # the step's host sync
-        # step time = sync to sync: the GPU work queued after a sync (this step's update) ends before the next one,
-        # so in steady state the intervals add up to the wall clock (t0-based timing would miss the update)
-        t_sync = time.perf_counter()
-        dt = t_sync - (self._prev_sync if self._prev_sync is not None else t0) - self._slept
-        self._prev_sync, self._slept = t_sync, 0.0
-        faulty = [r for r in range(world) if flags[r] > 0]
-        if faulty:
-            what = faults.local_fault(float(local_BP[0]), float(local_norm)) if self.rank in faulty else None
-            return self._fault(done, faulty, what)
+        verdict = agree(self.comm, self.rank, self.groups.world_size, local_P, local_norm, self.stop_requested)
+        dt = self._step_time(t0)
+        if verdict.faulty:
+            what = faults.local_fault(float(local_P[0]), float(local_norm)) if self.rank in verdict.faulty else None
+            return self._fault(done, verdict.faulty, what)
 
         self.optimizer.reduce_grads()
         grad_norm = self.optimizer.clip_grad_norm_(clip_norm_at(step, t))
         if not math.isfinite(grad_norm):  # finite everywhere locally, non-finite reduced: report it from rank 0
             return self._fault(done, [0], f"non-finite global gradient norm {grad_norm} after reduction")
         lr = lr_at(step, t) * rewarmup_factor(step, self.restart_step, t.rewarmup_steps)
-        spike = self._check_spike(done, float(shared[world + 1]) / world, grad_norm)
+        spike = self._check_spike(done, float(verdict.mean_P[0]), grad_norm)
         if spike is not None and t.spike.action != "skip":
             return self._spike_exit(spike)
         self.ckpt.fence()  # the snapshot of the last checkpoint is read from these tensors until here
@@ -458,11 +446,9 @@ class Trainer:
             counts_LE = self._global_counts(per_layer)
             self._skew_records(done, counts_LE)
             if sink is not None:
-                sink.log(self._record(done, shared[world + 1:] / world, grad_norm, lr, dt, per_layer, counts_LE))
-        if t.step_sleep_s:
-            time.sleep(t.step_sleep_s)
-            self._slept = t.step_sleep_s
-        stop = flags[world] > 0
+                sink.log(self._record(done, verdict.mean_P, grad_norm, lr, dt, per_layer, counts_LE))
+        self._test_sleep()
+        stop = verdict.stop
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
         model_only = bool(t.model_ckpt_interval and done % t.model_ckpt_interval == 0)
         if full or model_only:
@@ -550,6 +536,29 @@ class Trainer:
         if self.pipeline is not None:
             loads = [loads[i] for c in self.pipeline.model.chunks for i in self.pipeline.chunk_ranges[c]]
         return loads
+
+    def _injects(self, kind: str, done: int) -> bool:
+        """Test hook: train.fault_injection strikes with `kind` on this rank at this step."""
+        return self.injection == kind and done == self.cfg.train.fault_injection.step
+
+    def _inject_before_step(self, done: int) -> None:
+        """Test hook: the process faults (hang, crash, sigkill) strike before the step's work."""
+        if self.injection in ("hang", "crash", "sigkill") and self._injects(self.injection, done):
+            {"hang": faults.hang_forever, "sigkill": faults.sigkill_self}.get(self.injection, self._crash)()
+
+    def _step_time(self, t0: float) -> float:
+        """Seconds of this step, host sync to host sync: the device work queued after a sync (the previous step's
+        update) ends before the next sync, so the intervals add up to the wall clock; train.step_sleep_s excluded."""
+        t_sync = time.perf_counter()
+        dt = t_sync - (self._prev_sync if self._prev_sync is not None else t0) - self._slept
+        self._prev_sync, self._slept = t_sync, 0.0
+        return dt
+
+    def _test_sleep(self) -> None:
+        """train.step_sleep_s: slows the steps so tests can strike mid-run; not counted as step time."""
+        if self.cfg.train.step_sleep_s:
+            time.sleep(self.cfg.train.step_sleep_s)
+            self._slept = self.cfg.train.step_sleep_s
 
     def _crash(self) -> None:
         raise faults.InjectedCrash(f"injected crash on rank {self.rank} at step {self.cfg.train.fault_injection.step}")
