@@ -22,8 +22,8 @@ def walkthrough_blocks(readme: str) -> tuple[list[str], str]:
         assert m, f"README lost its walkthrough:{marker} block"
         return m.group(1)
 
-    lines = [ln for ln in block("bash", "bash").splitlines() if ln.strip()]
-    return lines, block("python", "python")
+    joined = block("bash", "bash").replace("\\\n", " ")  # continuation lines make one command
+    return [ln for ln in joined.splitlines() if ln.strip()], block("python", "python")
 
 
 def test_readme_walkthrough_runs(tmp_path):
