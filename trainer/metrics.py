@@ -84,6 +84,8 @@ class MetricsSink:
             self.progress.start()
 
     def log(self, record: dict[str, Any]) -> None:
+        # metrics.jsonl is data (the supervisor, report and goodput read it back), not a log stream: one flushed
+        # JSON line per record, the same writer as the journal; the human line goes through logging below
         append_jsonl(self.run_dir.metrics, record)
         self.tracker.log(record["step"], record)
         log.info(format_step_line(record, self.total_steps))

@@ -11,6 +11,7 @@ The trainer puts every derived value (MFU, expert counts) into the record; this 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 from pathlib import Path
@@ -63,8 +64,10 @@ class Tracker:
             import wandb
 
             (root / "wandb").mkdir(parents=True, exist_ok=True)
-            # resume="allow" with the run's name as id: a restarted attempt continues the same W&B run
-            self._wandb = wandb.init(project=project, name=root.name, id=root.name, resume="allow", dir=str(root),
+            # an id from the run directory's path with resume="allow": a restarted attempt continues the same W&B
+            # run, and two runs that share a name (runs/a/x, runs/b/x) do not
+            run_id = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:16]
+            self._wandb = wandb.init(project=project, name=root.name, id=run_id, resume="allow", dir=str(root),
                                      config=config or {})
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
