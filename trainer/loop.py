@@ -203,7 +203,8 @@ class Trainer:
         self.phases.mark("restore_start")
         self.resume = self._choose_resume()
         self.rollback = self.comm.broadcast_object(RollbackState.read(self.run_dir.root) if self.rank == 0 else None)
-        if rollback_applies(self.rollback.pending, self.resume.path):
+        captured = ckpt_state.load_trainer_state(self.resume.path)["time"] if self.resume.path is not None else None
+        if rollback_applies(self.rollback.pending, captured):
             self.resume = SlotChoice(path=None)  # a spike rollback outranks the full checkpoints written before it
         else:
             self.rollback.pending = None

@@ -119,17 +119,13 @@ def plan_rollback(batch_of_spike: int, skip_batches: int, newest_before: tuple[i
     return RollbackPlan(checkpoint=str(path), step=n, skip=(max(0, batch_of_spike - skip_batches + 1), batch_of_spike))
 
 
-def rollback_applies(pending: Optional[dict], resume_slot: Optional[Path]) -> bool:
-    """A pending rollback decides where the trainer starts until a full checkpoint written after it exists (the
-    manifest's time): then that checkpoint, which already continues the rolled-back run, is the newer state."""
+def rollback_applies(pending: Optional[dict], slot_captured: Optional[float]) -> bool:
+    """A pending rollback decides where the trainer starts until a full checkpoint whose state was captured after it
+    exists (`slot_captured`: the `time` in the newest slot's trainer state, taken when the step's state was
+    snapshotted, not when a background write finished): that checkpoint already continues the rolled-back run."""
     if pending is None:
         return False
-    if resume_slot is None:
-        return True
-    from moe_launch.trainer.checkpoint.store import read_manifest
-
-    manifest = read_manifest(resume_slot) or {}
-    return float(manifest.get("time", 0.0)) < float(pending["time"])
+    return slot_captured is None or slot_captured < float(pending["time"])
 
 
 def batch_for_step(step: int, skips: list[tuple[int, int]]) -> int:

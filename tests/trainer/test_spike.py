@@ -141,3 +141,13 @@ def test_stop_exits_with_the_diagnosis_before_the_update(tmp_path, data_cache):
     assert spike["step"] == 7 and spike["action"] == "stop" and "above" in spike["what"]
     assert trainer.optimizer.step_count == 6  # the spiking step was not applied
     assert not (rd.root / ROLLBACK_FILE).exists()
+
+
+def test_rollback_yields_only_to_a_checkpoint_captured_after_it():
+    """A checkpoint of a step before the spike may finish writing after it (asynchronous persistence): what counts
+    is when its state was captured."""
+    from moe_launch.trainer.spike import rollback_applies
+
+    pending = {"checkpoint": "model-step-6", "step": 6, "time": 100.0}
+    assert rollback_applies(pending, None) and rollback_applies(pending, 99.0)
+    assert not rollback_applies(pending, 101.0) and not rollback_applies(None, 99.0)
