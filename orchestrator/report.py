@@ -4,6 +4,8 @@
   mfu.png          MFU against the data-sheet peak and the preflight-measured GEMM rate (when logged)
   step_time.png    seconds per optimizer step                     expert_load.png  layer x expert load over steps
   expert_balance.png  busiest expert / mean per step
+  timeline.png     wall time per run: training, checkpoint stalls, recovery, lost (redone) steps, preflight and
+                   startup (orchestrator/goodput.py's segments), with failures, swaps and restarts at their times
 Every line plot marks the run's journal events on its step axis: failures and faults, node swaps, restarts and
 resubmissions, checkpoints. Legends name what differs between the runs (the sweep's overrides, e.g. train.lr=1e-3).
 
@@ -63,6 +65,8 @@ class RunSeries:
     overrides: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     goodput: dict[str, float] = field(default_factory=dict)  # orchestrator/goodput.py: productive time / wall, ...
+    segments: list[Any] = field(default_factory=list)  # goodput.Segment: non-productive stretches of wall time
+    span: tuple[float, float] = (0.0, 0.0)  # first and last record time (journal or metrics)
     label: str = ""
 
     @property
@@ -189,7 +193,7 @@ def legend_labels(series: list[RunSeries]) -> list[str]:
 
 
 def read_run(run_dir: str | Path) -> RunSeries:
-    from moe_launch.orchestrator.goodput import goodput
+    from moe_launch.orchestrator.goodput import goodput, timeline
 
     rd = RunDir(Path(run_dir))
     all_records, journal = read_jsonl(rd.metrics), read_jsonl(rd.journal)
@@ -204,7 +208,10 @@ def read_run(run_dir: str | Path) -> RunSeries:
                   load_SLE=load_SLE, load_steps=load_steps, events=journal_events(journal, records),
                   overrides=run_overrides(rd), summary=summary,
                   # a finished run's own account, else computed the same way from what is on disk so far
-                  goodput=summary.get("goodput") or goodput(journal, all_records))
+                  goodput=summary.get("goodput") or goodput(journal, all_records),
+                  segments=timeline(journal, all_records))
+    times = [float(r["time"]) for r in (*journal, *all_records) if isinstance(r.get("time"), (int, float))]
+    s.span = (min(times), max(times)) if times else (0.0, 0.0)
     s.label = legend_labels([s])[0]
     return s
 

@@ -136,6 +136,43 @@ def balance_figure(series: list[RunSeries], path: Path) -> Path:
     return _finish(fig, [ax], path)
 
 
+# goodput.py's segment kinds; the gaps between them are training (or, at the ends, other time)
+SEGMENT_COLOUR = {"checkpoint": "#27ae60", "recovery": "#8e44ad", "lost": "#c0392b", "preflight": "#f1c40f",
+                  "startup": "#95a5a6"}
+
+
+def timeline_figure(series: list[RunSeries], path: Path) -> Path:
+    """Wall time since each run's start, one row per run: the non-productive segments as coloured spans over a
+    training-coloured bar; failures, swaps and restarts as markers at their times."""
+    fig, (ax,) = _figure(height=0.9 + 0.6 * len(series))
+    seen: set[str] = set()
+    for row, s in enumerate(series):
+        t0, t1 = s.span
+        ax.broken_barh([(0.0, (t1 - t0) / 60)], (row - 0.3, 0.6), color="#3498db", alpha=0.35,
+                       label=None if "train" in seen else "training / other")
+        seen.add("train")
+        for seg in s.segments:
+            ax.broken_barh([((seg.start - t0) / 60, max(seg.seconds, 1e-3) / 60)], (row - 0.3, 0.6),
+                           color=SEGMENT_COLOUR.get(seg.kind, "#7f8c8d"), label=None if seg.kind in seen else seg.kind)
+            seen.add(seg.kind)
+        for ev in s.events:
+            if ev.kind in ("failure", "swap", "restart", "stop"):
+                colour, _, name = EVENT_STYLE[ev.kind]
+                ax.plot([(ev.time - t0) / 60], [row + 0.42], marker="v", color=colour, ls="none",
+                        label=None if ev.kind in seen else name)
+                seen.add(ev.kind)
+    ax.set_yticks(range(len(series)), [s.label for s in series])
+    ax.set_ylim(-0.6, len(series) - 0.4 + 0.3)
+    ax.set_title("Wall time (goodput: " + ", ".join(f"{s.label} {100 * s.goodput.get('goodput', 0):.0f}%"
+                                                     for s in series) + ")")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_xlabel("minutes since the run's first record")
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
 def draw_all(series: list[RunSeries], out: Path) -> list[Path]:
     """Every figure the runs have data for, as PNG files in `out`."""
     written = [loss_figure(series, out / "loss.png")]
@@ -152,4 +189,6 @@ def draw_all(series: list[RunSeries], out: Path) -> list[Path]:
         written.append(expert_load_figure(series, out / "expert_load.png"))
     if _has(series, "load_max"):
         written.append(balance_figure(series, out / "expert_balance.png"))
+    if any(s.span[1] > s.span[0] for s in series):
+        written.append(timeline_figure(series, out / "timeline.png"))
     return written

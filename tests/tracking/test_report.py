@@ -108,13 +108,14 @@ def test_synthetic_dense_vs_moe(tmp_path):
     moe = _synthetic_run(tmp_path / "moe", "moe", seed=2, restart_at=20, overrides=("model=tiny_moe", "train.lr=1e-3"))
     paths = make_plots([dense.root, moe.root], out_dir=tmp_path / "sweep_plots")
     assert sorted(p.name for p in paths) == ["expert_balance.png", "expert_load.png", "grad_norm.png", "loss.png",
-                                             "lr.png", "mfu.png", "report.html", "step_time.png", "tokens_per_s.png"]
+                                             "lr.png", "mfu.png", "report.html", "step_time.png", "timeline.png",
+                                             "tokens_per_s.png"]
     for p in paths:
         if p.suffix == ".png":
             assert_valid_png(p)
     page = (tmp_path / "sweep_plots" / "report.html").read_text()
     assert "model=tiny_moe" in page and "model=tiny_dense" in page  # legends name the swept value, not the dir
-    assert "node swap: n2 -&gt; n9" in page and page.count("<figure") == 8
+    assert "node swap: n2 -&gt; n9" in page and page.count("<figure") == 9
     assert '<table id="goodput">' in page and "productive" in page  # goodput.py's account, per run
 
     s = read_run(moe.root)
@@ -201,7 +202,8 @@ def test_report_page_in_headless_chromium(tmp_path):
     dom = subprocess.run(common + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert '<table id="runs">' in dom.stdout and "<td>train.lr=1e-3</td>" in dom.stdout
-    for fig in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "expert_load", "expert_balance"):
+    for fig in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time", "expert_load", "expert_balance",
+                "timeline"):
         assert f'id="fig-{fig}"' in dom.stdout, fig
     assert 'class="swap"' in dom.stdout and 'class="restart"' in dom.stdout
     shot = tmp_path / "report.png"
