@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_launch.conf.presets import CLUSTERS
-from moe_launch.conf.schema import ClusterConfig, HealthConfig
+from moe_launch.conf.schema import ClusterConfig, HealthConfig, all_problems
 from moe_launch.errors import ConfigError, MoeLaunchError
 from moe_launch.health import report, store
 from moe_launch.health.preflight import PreflightResult, run_preflight
@@ -77,7 +77,8 @@ def load_configs(config: Optional[str], cluster_preset: str,
                               "drop the override or pass it to moe-launch")
     health = OmegaConf.merge(health, dot.get("health", {}))
     cluster = OmegaConf.merge(cluster, dot.get("cluster", {}))
-    return OmegaConf.to_object(health), OmegaConf.to_object(cluster)
+    with all_problems():  # every bad value in one message
+        return OmegaConf.to_object(health), OmegaConf.to_object(cluster)
 
 
 def preflight_table(result: PreflightResult) -> Table:

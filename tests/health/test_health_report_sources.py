@@ -103,3 +103,9 @@ def test_health_page_in_headless_chromium(tmp_path):
     snap = subprocess.run(common + [f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
                           capture_output=True, text=True, timeout=120)
     assert snap.returncode == 0 and shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 20_000
+
+
+def test_every_bad_override_is_reported_at_once(tmp_path, capsys):
+    assert health_cli(["report", "--cluster", "local", "cluster.nodes=0", "health.alltoall.iters=0"]) == 2
+    out = capsys.readouterr().out
+    assert "2 problems" in out and "cluster.nodes" in out and "health.alltoall.iters" in out
