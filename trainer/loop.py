@@ -87,6 +87,7 @@ from moe_launch.trainer.spike import (
     Spike,
     SpikeDetector,
     batch_for_step,
+    checkpoint_data_skips,
     checkpoint_step,
     model_checkpoint_before,
     plan_rollback,
@@ -276,6 +277,8 @@ class Trainer:
             path = ckpt_state.verified_model_dir(init_from)
             self._load_and_broadcast(path, any_layout=True)
             self.restart_step = checkpoint_step(path)
+            # the checkpoint's run may have skipped batches (spike rollbacks): continue its step -> batch map
+            self.rollback.skips = sorted({*self.rollback.skips, *checkpoint_data_skips(path)})
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
                               fresh_optimizer=True, step=self.restart_step, attempt=self.attempt,
@@ -639,9 +642,18 @@ class Trainer:
     def _save_checkpoints(self, done: int, full: bool, model_only: bool) -> Optional[int]:
         """Snapshot now, persist in the background; EXIT_CHECKPOINT_WRITE once persisting keeps failing."""
         reason = self.ckpt.save(done, full, model_only, lambda rels: device_state(
-            rels, self.ckpt.files, self.model, self.optimizer, self._trainer_state(done), self.device))
+            rels, self.ckpt.files, self.model, self.optimizer, self._trainer_state(done), self.device),
+            position=self._position(done) if model_only else None)
         write_heartbeat(self.run_dir, self.rank, done, self.host)  # waiting for a slow persist is no hang
         return None if reason is None else self._stop_checkpoint_write(done, reason)
+
+    def _position(self, done: int) -> dict:
+        """Where a run restarted from this step's model checkpoint continues: the data position (and the batches
+        skipped so far, which fix the step -> batch map) and the schedule (the learning rate of the next step)."""
+        t = self.cfg.train
+        return {"step": done, "data": self.loader.state_dict(), "data_skips": [list(s) for s in self.rollback.skips],
+                "schedule": {"schedule": t.schedule, "lr": t.lr, "min_lr": t.min_lr, "warmup_steps": t.warmup_steps,
+                             "steps": t.steps, "next_lr": lr_at(done, t)}}
 
     def _finish_checkpoints(self, code: int) -> int:
         """Wait until the in-flight checkpoint is durable before exiting with `code`."""

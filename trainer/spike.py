@@ -112,6 +112,13 @@ def checkpoint_step(path: Path) -> int:
     return int(read_manifest(path)["step"])
 
 
+def checkpoint_data_skips(path: Path) -> list[tuple[int, int]]:
+    """The batches the run that wrote a model checkpoint had skipped by then (its manifest's meta)."""
+    from moe_launch.trainer.checkpoint.store import read_manifest
+
+    return [tuple(s) for s in (read_manifest(path) or {}).get("meta", {}).get("data_skips", [])]
+
+
 def plan_rollback(batch_of_spike: int, skip_batches: int, newest_before: tuple[int, Path]) -> RollbackPlan:
     """Pure: restart from the newest model checkpoint before the spike; never read again the `skip_batches`
     batches that end with the spike's batch."""

@@ -1,6 +1,6 @@
 """model.init_from=ckpt:<model-step-N> continues at step N with a fresh optimizer: the learning rate and the batch of
-step N+1 are the original run's (so is its loss, computed with the checkpoint's weights before any update), and
-train.rewarmup_steps ramps the learning rate of the fresh optimizer back up."""
+step N+1 are the original run's (so is its loss, computed with the checkpoint's weights before any update), the
+checkpoint records that position and schedule, and train.rewarmup_steps ramps the fresh optimizer's rate back up."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from trainer_harness import tiny_cfg, write_run
 
 from moe_launch.rundir import EXIT_OK, read_jsonl
+from moe_launch.trainer.checkpoint.store import read_manifest
 from moe_launch.trainer.optim import rewarmup_factor
 
 torch.set_num_threads(1)
@@ -33,6 +34,9 @@ def test_restart_from_model_step_n_continues_with_the_original_lr_and_batch(tmp_
     orig = write_run(tmp_path / "orig", cfg)
     assert Trainer(cfg, orig).train() == EXIT_OK
     want = _records(orig)
+    meta = read_manifest(orig.checkpoints / "model-step-4")["meta"]
+    assert meta["step"] == 4 and meta["data"]["position"] == 4 * cfg.train.global_batch_size
+    assert meta["schedule"]["next_lr"] == want[5]["lr"] and meta["data_skips"] == []
 
     again = tiny_cfg(data_cache, rewarmup_steps=rewarmup, **common)
     again.model.init_from = f"ckpt:{orig.checkpoints / 'model-step-4'}"

@@ -103,6 +103,11 @@ def test_rollback_restarts_from_the_model_checkpoint_before_the_spike_and_skips_
     # a later crash resumes from the full checkpoint written after the rollback, not from the rollback again
     later = Trainer(cfg, rd, attempt=2)
     assert later.rollback.pending is None and later.start_step == 12 and later.rollback.skips == [(9, 9)]
+    # a new run started from the rolled-back run's weights keeps its step -> batch map
+    fresh = tiny_cfg(data_cache, steps=14, ckpt_interval=0)
+    fresh.model.init_from = f"ckpt:{rd.checkpoints / 'model-step-12'}"
+    child = Trainer(fresh, write_run(tmp_path / "child", fresh))
+    assert child.start_step == 12 and child.rollback.skips == [(9, 9)]
 
 
 def test_a_spike_that_recurs_after_rollback_is_a_data_or_model_problem(tmp_path, data_cache):

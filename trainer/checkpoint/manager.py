@@ -68,9 +68,10 @@ class CheckpointManager:
     def fence(self) -> None:
         self.writer.fence()
 
-    def save(self, done: int, full: bool, model_only: bool, state: Callable[[list[str]], dict[str, Any]]
-             ) -> Optional[str]:
-        """Start the checkpoints due at step `done`; a stop reason if persisting keeps failing."""
+    def save(self, done: int, full: bool, model_only: bool, state: Callable[[list[str]], dict[str, Any]],
+             position: Optional[dict] = None) -> Optional[str]:
+        """Start the checkpoints due at step `done`; a stop reason if persisting keeps failing. `position`: what a
+        model-only checkpoint records beside the model config (data position and schedule at `done`)."""
         reason = self._absorb(self.writer.wait())
         if reason is not None or not (full or model_only):
             return reason
@@ -85,7 +86,7 @@ class CheckpointManager:
         if model_only:
             model_rels = self.writes(True)
             targets.append(Target(self.run_dir.checkpoints / f"model-step-{done}", self._builders(model_rels),
-                                  meta={"model": self.model_meta}, model_only=True))
+                                  meta={"model": self.model_meta, **(position or {})}, model_only=True))
             rels += [r for r in model_rels if r not in rels]
         self.writer.request(done, targets, state(rels))
         return None
