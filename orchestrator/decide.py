@@ -53,8 +53,10 @@ def decide(state: SupervisorState, event: Event) -> Action:
     if isinstance(event, StopRequested):
         return Action(kind="stop", status="stopped", reason=event.reason)
     if isinstance(event, AllocationEnding):
+        if state.phase == "running":  # the trainer's exit says how it ended: 4 checkpointed, 0 finished anyway
+            return Action(kind="update", reason=f"{event.reason}: passed on to the trainer, which checkpoints")
         return Action(kind="stop", status="preempted",
-                      reason=f"{event.reason}: the trainer checkpoints, the login side continues in a new allocation")
+                      reason=f"{event.reason} before the trainer ran; the login side continues in a new allocation")
     if isinstance(event, PreflightDone):
         return _initial_launch(state, event)
     if isinstance(event, SuspectChecked):

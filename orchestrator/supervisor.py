@@ -45,7 +45,7 @@ from moe_launch.orchestrator.events import (
 )
 from moe_launch.orchestrator.last_record import run_recorded
 from moe_launch.orchestrator.local_cluster import LocalCluster
-from moe_launch.orchestrator.plan import trainer_argv
+from moe_launch.orchestrator.plan import LaunchPlan, read_plan
 from moe_launch.orchestrator.recovery import resume_details
 from moe_launch.orchestrator.standby import StandbyPool, standby_mode
 from moe_launch.orchestrator.state import Action, SupervisorState, apply, in_run_blame, replay
@@ -60,10 +60,9 @@ _SCHEDULER_POLL_S = 2.0
 _PREEMPT_WAIT_S = 60.0  # time the trainer gets to checkpoint after USR2 before it is killed
 
 
-def make_cluster(cfg: RootConfig) -> Cluster:
-    if cfg.cluster.kind == "local":
-        c = cfg.cluster
-        return LocalCluster(tuple(f"local{i}" for i in range(1, c.nodes + c.buffers + 1)), c.tasks_per_node)
+def make_cluster(cfg: RootConfig, plan: LaunchPlan) -> Cluster:
+    if plan.kind == "local":
+        return LocalCluster(plan.local_nodes, plan.tasks_per_node)
     from moe_launch.orchestrator.slurm import SlurmCluster
 
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -98,7 +97,8 @@ def event_record(ev: Event) -> tuple[str, tuple[str, ...], dict[str, Any]]:
 class Supervisor:
     def __init__(self, cfg: RootConfig, rd: RunDir, cluster: Optional[Cluster] = None):
         self.cfg, self.rd = cfg, rd
-        self.cluster = cluster or make_cluster(cfg)
+        self.plan = read_plan(rd.root)  # the login side's plan of this allocation: nodes, commands
+        self.cluster = cluster or make_cluster(cfg, self.plan)
         self.watcher = Watcher(rd, cfg.supervisor.hang_timeout_s, cfg.supervisor.launch_timeout_s)
         self.step: Optional[Step] = None
         self.checked: queue.Queue[SuspectChecked] = queue.Queue()  # results of background re-checks
@@ -108,7 +108,8 @@ class Supervisor:
         self.stop_seen = False
         self.ending = threading.Event()  # set by SIGUSR2 (time limit / preemption warning)
         self.ending_seen = False
-        self.trainer_argv = list(trainer_argv(cfg, str(rd.root)))
+        self.forward_ending = False  # the warning waits for the trainer's first heartbeat, then goes to it
+        self.trainer_argv = list(self.plan.trainer_argv)
         self.standbys = StandbyPool(self.cluster, rd, self.trainer_argv, standby_mode(cfg.supervisor))
         self.state: SupervisorState
         self.scheduler: SchedulerWatch  # started by run()
@@ -202,11 +203,10 @@ class Supervisor:
             self._launch()
             if action.recheck:  # in the background: the new attempt must be watched meanwhile
                 threading.Thread(target=self._recheck_all, args=(action.recheck,), daemon=True).start()
+        elif isinstance(ev, AllocationEnding) and action.kind == "update":
+            self.forward_ending = True
         elif action.kind == "stop":
-            # a trainer without a heartbeat yet may not have its signal handler: USR2 would kill it, and it has no
-            # step to save anyway
-            started = self.watcher.first_beat is not None
-            self._end_step(graceful=self.state.status in ("preempted", "stopped") and started)
+            self._end_step(graceful=self.state.status in ("preempted", "stopped"))
         elif action.probe:  # a hang nobody is blamed for: the hung step goes, its nodes are checked, decide() again
             self._end_step(graceful=False)
             done = self.preflight(action.probe)
@@ -225,6 +225,11 @@ class Supervisor:
         if self.ending.is_set() and not self.ending_seen:
             self.ending_seen = True
             events.append(AllocationEnding())
+        if self.forward_ending and self.step is not None and self.watcher.first_beat is not None:
+            # only now: a trainer still starting may have no handler yet (USR2 would kill it unsaved), and stopping
+            # it before its first step would make no progress in this allocation
+            self.forward_ending = False
+            self.step.terminate("USR2")
         events += self.watcher.poll(now)
         if self.state.phase == "running":
             self.standbys.sync(self.state.active, self.state.buffers, training=self.watcher.first_beat is not None)
@@ -269,8 +274,13 @@ class Supervisor:
         if step is None:
             return
         if graceful:
-            step.terminate("USR2")  # the trainer checkpoints and exits 4
             deadline = time.time() + _PREEMPT_WAIT_S
+            # a trainer still starting may not have its signal handler (USR2 would kill it, unsaved), and stopping
+            # it before its first step would make no progress in this allocation: wait for its first heartbeat
+            while self.watcher.first_beat is None and step.poll() is None and time.time() < deadline:
+                self.watcher.poll(time.time())
+                time.sleep(0.2)
+            step.terminate("USR2")  # the trainer checkpoints and exits 4
             while time.time() < deadline and step.poll() is None:
                 time.sleep(0.2)
         step.kill()

@@ -7,6 +7,7 @@ import time
 
 from moe_launch.orchestrator.decide import decide
 from moe_launch.orchestrator.events import (
+    AllocationEnding,
     Fault,
     Hang,
     LaunchTimeout,
@@ -127,6 +128,17 @@ def test_checkpoint_storage_failure_stops_without_relaunch_naming_the_cause():
     a = decide(s, StepExited(attempt=0, code=EXIT_CHECKPOINT_WRITE, step=6, detail=why))
     assert a.kind == "stop" and a.status == "failed" and a.nodes is None and not a.exclude  # no node is blamed
     assert "checkpoint storage failed" in a.reason and "Read-only file system" in a.reason and "/runs/x" in a.reason
+
+
+def test_time_limit_warning_goes_to_the_trainer_whose_exit_decides():
+    s = launched()
+    a = decide(s, AllocationEnding())
+    assert a.kind == "update" and not a.status  # the run goes on until the trainer exits
+    assert decide(s, StepExited(attempt=0, code=EXIT_PREEMPTED)).status == "preempted"  # checkpointed: continue
+    assert decide(s, StepExited(attempt=0, code=0)).kind == "complete"  # it reached the last step meanwhile
+    before = initial_state(2, 5, ["node1", "node2"])  # still in preflight: nothing to save
+    a = decide(before, AllocationEnding())
+    assert a.kind == "stop" and a.status == "preempted"
 
 
 def test_two_nodes_failing_together_are_both_excluded():
