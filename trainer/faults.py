@@ -13,8 +13,8 @@ Injection (train.fault_injection, off by default) fires only on the configured r
   sigkill           the rank SIGKILLs itself at step `step`
   kill_during_ckpt  the rank SIGKILLs itself inside the first checkpoint at or after step `step`, after its shards
                     are on disk and before the manifest exists
-  loss_spike        the loss of step `step` (so its gradients too) is multiplied by SPIKE_FACTOR: finite, caught by
-                    spike detection (train.spike), not by the NaN check
+  loss_spike        the loss of step `step` (so its gradients too; under pipeline parallelism the reported loss only)
+                    is multiplied by SPIKE_FACTOR: finite, caught by spike detection (train.spike), not the NaN check
 """
 
 from __future__ import annotations

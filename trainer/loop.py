@@ -412,6 +412,8 @@ class Trainer:
         if self._injects("nan", done):
             # after the step: the loss is shared by the pipeline's stages, poisoning it inside would flag them all
             local_P[0] = float("nan")
+        if self._injects("loss_spike", done):  # likewise after the step: the loss only, not the gradients
+            local_P[0] = faults.spike_loss(local_P[0])
         if self._injects("inf_grad", done):
             faults.poison_grads(list(self.model.parameters()))
         return local_P, [parts]
