@@ -153,3 +153,22 @@ def test_a_fresh_model_starts_with_a_neutral_bias_and_routes_like_aux_loss(data_
     counts = {k: [c.tolist() for c in m.compute_loss(tokens_BS[:, :-1], tokens_BS[:, 1:])[1].counts_per_layer]
               for k, m in models.items()}
     assert counts["aux_free_bias"] == counts["aux_loss"]
+
+
+def test_hf_round_trip_of_an_aux_free_bias_model_keeps_a_neutral_bias(tmp_path, data_cache):
+    """OLMoE's format has no selection bias: export drops it, import leaves the fresh (zero) one in place."""
+    from moe_launch.trainer.interop.hf import export_hf, load_hf_into_model
+    from moe_launch.trainer.model import build_model
+
+    cfg = tiny_cfg(data_cache)
+    m = dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, balance="aux_free_bias"))
+    torch.manual_seed(0)
+    src = build_model(m, 0, 1, torch.device("cpu"))
+    with torch.no_grad():
+        src.blocks[0].ffn.router.expert_bias_E.fill_(0.5)
+    export_hf({n: p.detach() for n, p in src.named_parameters()}, m, tmp_path / "hf")
+    torch.manual_seed(1)
+    dst = build_model(m, 0, 1, torch.device("cpu"))
+    load_hf_into_model(dst, tmp_path / "hf")
+    for (n, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
+        assert torch.equal(b, torch.zeros_like(b) if n.endswith("expert_bias_E") else a), n

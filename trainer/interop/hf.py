@@ -142,6 +142,8 @@ def load_hf_into_model(model: nn.Module, path: str | Path, ep_rank: int = 0, ep_
                                   f"not EP rank {ep_rank}'s share of ep={ep_size}; pass the model's ep_rank/ep_size")
     sd = hf_state_for_rank(path, cfg, ep_rank, ep_size)
     missing, unexpected = model.load_state_dict(sd, strict=False)
+    # OLMoE has no selection bias: a router with model.moe.balance=aux_free_bias keeps its neutral (zero) one
+    missing = [k for k in missing if not k.endswith(".expert_bias_E")]
     if missing or unexpected:
         raise CheckpointError(f"{path}: parameters do not match the model (missing {missing[:4]}, unexpected "
                               f"{unexpected[:4]}); the trainer's parameter names changed, update trainer/interop/hf.py")
