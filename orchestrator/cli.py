@@ -196,6 +196,7 @@ def _render_for_hand_submission(cfg, run_dir: Path, p) -> int:
     """Writes the run directory's config.yaml (the supervisor and the checks read it) and the job script, prints
     the script's path and `sbatch` command. Nothing is submitted."""
     from moe_launch.conf.load import dump_config
+    from moe_launch.orchestrator.plan import write_plan
     from moe_launch.orchestrator.render import render_preflight_sbatch, render_sbatch
     from moe_launch.rundir import RunDir
 
@@ -203,6 +204,7 @@ def _render_for_hand_submission(cfg, run_dir: Path, p) -> int:
         return _fail("render_sbatch: needs cluster=slurm (cluster.kind=local runs no job script)")
     rd = RunDir(run_dir).make()
     dump_config(cfg, rd.config)
+    write_plan(p, rd.root)
     name, text = (("job.sbatch", render_sbatch(p)) if cfg.render_sbatch == "run"
                   else ("preflight.sbatch", render_preflight_sbatch(p)))
     script = rd.root / "sbatch" / name

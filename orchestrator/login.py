@@ -26,7 +26,7 @@ from moe_launch.errors import ConfigError, SubmissionError
 from moe_launch.orchestrator import slurm
 from moe_launch.orchestrator.last_record import DISK_FULL, disk_full_reason, no_space_reason
 from moe_launch.orchestrator.live import LiveView
-from moe_launch.orchestrator.plan import LaunchPlan, PartitionInfo, plan
+from moe_launch.orchestrator.plan import LaunchPlan, PartitionInfo, plan, write_plan
 from moe_launch.orchestrator.render import render_sbatch
 from moe_launch.orchestrator.state import Action, SupervisorState, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
@@ -62,6 +62,7 @@ def make_plan(cfg: RootConfig, run_dir: Path, extra_exclude: tuple[str, ...] = (
 def start_allocation(p: LaunchPlan, rd: RunDir, number: int, retry_s: float = 0.0) -> str:
     """Start the supervisor; returns the handle journaled for attach (a Slurm job id, or a local pid). sbatch is
     retried for `retry_s` while the controller cannot be reached."""
+    write_plan(p, rd.root)  # the allocation's supervisor reads its plan from there
     if p.kind == "slurm":
         script = rd.root / "sbatch" / f"allocation-{number}.sh"
         script.parent.mkdir(parents=True, exist_ok=True)

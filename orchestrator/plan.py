@@ -3,18 +3,23 @@
 Everything the login side will do is decided here, from the typed config and what the scheduler said about the
 partition (gathered by slurm.py, or None for cluster.kind=local). `--dry-run` prints this plan and the script
 `render_sbatch` makes of it; a real launch submits exactly that. Impossible requests fail here, before any
-submission, with a ConfigError naming the key.
+submission, with a ConfigError naming the key. Each allocation's plan is written to the run directory
+(`plan.json`, `write_plan`); the supervisor reads it (`read_plan`) instead of deriving nodes or commands again.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import RootConfig
-from moe_launch.errors import ConfigError
+from moe_launch.errors import ConfigError, SubmissionError
+from moe_launch.rundir import write_json_atomic
+
+PLAN_FILE = "plan.json"
 
 # characters that neither a shell word nor an #SBATCH line can carry safely, even quoted
 _UNSAFE = ("\n", "\r", "\0", "\\")
@@ -60,6 +65,26 @@ class LaunchPlan:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> "LaunchPlan":
+        tuples = {f.name for f in fields(LaunchPlan) if str(f.type).startswith("tuple")}
+        return LaunchPlan(**{k: tuple(v) if k in tuples else v for k, v in d.items()
+                             if k in {f.name for f in fields(LaunchPlan)}})
+
+
+def write_plan(p: LaunchPlan, run_dir: Path) -> Path:
+    path = Path(run_dir) / PLAN_FILE
+    write_json_atomic(path, p.to_json())
+    return path
+
+
+def read_plan(run_dir: Path) -> LaunchPlan:
+    path = Path(run_dir) / PLAN_FILE
+    try:
+        return LaunchPlan.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise SubmissionError(f"{path} cannot be read ({e}); start runs with moe-launch, which writes it") from e
 
 
 def plan(cfg: RootConfig, partition: Optional[PartitionInfo] = None, quarantined: Iterable[str] = (),

@@ -21,6 +21,7 @@ from moe_launch.conf.schema import (
     SupervisorConfig,
     TrainConfig,
 )
+from moe_launch.orchestrator.plan import plan, write_plan
 from moe_launch.orchestrator.state import replay
 from moe_launch.orchestrator.supervisor import STOP_FILE, Supervisor
 from moe_launch.rundir import RunDir, read_jsonl
@@ -41,6 +42,7 @@ def make_cfg(tmp_path, nodes=2, buffers=1, fault=None, steps=12, **sup) -> tuple
     )
     rd = RunDir(tmp_path / "t").make()
     dump_config(cfg, rd.config)
+    write_plan(plan(cfg, run_dir=str(rd.root)), rd.root)  # what moe-launch writes before starting a supervisor
     return cfg, rd
 
 
