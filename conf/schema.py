@@ -344,13 +344,17 @@ class ClusterConfig:
     name: str = "local"  # cluster name for health baselines and history
     python: Optional[str] = None  # interpreter on the compute nodes (default: the one running moe-launch)
     extra_sbatch: list[str] = field(default_factory=list)  # extra "--key=value" lines, each quoted when rendered
-    signal_before_end_s: int = 60  # --signal=USR2@N: checkpoint and exit before the time limit
+    # --signal=B:USR2@N: checkpoint and exit before the time limit. 0: no warning; the limit's SIGTERM then saves a
+    # checkpoint only if the step in flight and the write fit in the cluster's KillWait
+    signal_before_end_s: int = 60
     # srun/sbatch/scontrol/sacct answers such as "Unable to contact slurm controller" are retried with backoff for
     # this long before they count as an error: a slurmctld restart or failover must not end a run
     controller_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
         _one_of(self.kind, ("local", "slurm"), "cluster.kind")
+        _require(self.signal_before_end_s >= 0, "cluster.signal_before_end_s", f"got {self.signal_before_end_s}",
+                 "use seconds >= 0 (0: no warning signal)")
         _require(self.controller_retry_s >= 0, "cluster.controller_retry_s", f"got {self.controller_retry_s}",
                  "use seconds >= 0, e.g. 300")
         _require(self.nodes >= 1, "cluster.nodes", f"got {self.nodes}", "use at least 1 node")

@@ -284,7 +284,8 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
         return _final(rd, state, wall, "failed", f"the allocation ended and a new one cannot be submitted: {e}",
                       resubmits)
     journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
-                  previous_supervisor_host=lost_host, continuation=continuation, buffers=buffers,
+                  previous_supervisor_host=lost_host, previous_job=handles(records)[-1]["handle"],
+                  continuation=continuation, buffers=buffers,
                   reason="continuation after a clean time-limit/preemption checkpoint" if continuation else
                   "the allocation ended without a clean checkpoint (supervisor node lost, hard time limit, ...)")
 

@@ -26,12 +26,13 @@ def sbatch_options(plan: LaunchPlan) -> list[tuple[str, str | None]]:
         ("--no-kill", None),
         # resubmission is the login side's decision (with exclusions), never Slurm's requeue
         ("--no-requeue", None),
-        # B: the warning goes to the supervisor (the batch step) only. Slurm sends it up to a minute early, maybe
-        # before the trainer has its handler (USR2 would kill it); the supervisor passes it on once the trainer runs,
-        # the trainer checkpoints and exits 4, and the login side continues in a new allocation
-        ("--signal", f"B:USR2@{plan.signal_before_end_s}"),
         ("--output", f"{plan.run_dir}/logs/allocation-%j.out"),
     ]
+    if plan.signal_before_end_s:
+        # B: the warning goes to the supervisor (the batch step) only. Slurm sends it up to a minute early, maybe
+        # before the trainer has its handler (USR2 would kill it); the supervisor passes it on once the trainer
+        # runs, the trainer checkpoints and exits 4, and the login side continues in a new allocation
+        opts.insert(-1, ("--signal", f"B:USR2@{plan.signal_before_end_s}"))
     if plan.partition:
         opts.append(("--partition", plan.partition))
     if plan.account:

@@ -123,3 +123,10 @@ def test_sbatch_example_is_what_the_renderer_makes():
     if os.environ.get("MOE_LAUNCH_UPDATE_GOLDEN") == "1":
         path.write_text(text)
     assert text == path.read_text()
+
+
+def test_time_limit_warning_goes_to_the_supervisor_or_nowhere():
+    text = render_sbatch(plan(slurm_cfg(signal_before_end_s=90), PART))
+    assert "#SBATCH --signal=B:USR2@90" in text.splitlines()  # B: the batch step, never the trainer directly
+    text = render_sbatch(plan(slurm_cfg(signal_before_end_s=0), PART))
+    assert "--signal" not in text  # 0: no warning at all
