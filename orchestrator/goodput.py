@@ -71,7 +71,9 @@ def timeline(journal: Iterable[dict[str, Any]], metrics: Iterable[dict[str, Any]
             out.append(Segment("recovery", r["time"] - float(d["seconds_since_failure"]), r["time"]))
         elif kind == "checkpoint":
             stall = float(d.get("stall_s", d.get("seconds", 0.0)))
-            out.append(Segment("checkpoint", r["time"] - stall, r["time"]))
+            # an asynchronous checkpoint is journaled when durable; it stalled training at its request
+            requested = r["time"] - float(d.get("durable_s", stall))
+            out.append(Segment("checkpoint", requested, requested + stall))
     for m in lost_rows(rows):
         out.append(Segment("lost", m["time"] - float(m.get("step_time_s", 0.0)), m["time"]))
     return sorted(out, key=lambda s: s.start)
