@@ -190,6 +190,7 @@ def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[st
              for n in nodes}
     deadline = time.monotonic() + timeout_s
     alive: set[str] = set()
+    silent: set[str] = set()
     for node, proc in procs.items():
         try:
             out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
@@ -198,7 +199,17 @@ def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[st
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            silent.add(node)
+    if silent and not controller_answers():
+        alive |= silent  # the probes were waiting for the controller, not for their nodes
     return alive
+
+
+def controller_answers() -> bool:
+    try:
+        return "is UP" in _run(["scontrol", "ping"], timeout=10.0, check=False).stdout
+    except SubmissionError:
+        return False
 
 
 class SlurmStep:

@@ -21,6 +21,8 @@
 #   stop-slurmd NODE   SIGKILL only NODE's slurmd, leaving its steps/tasks running
 #                      (the node goes NOT_RESPONDING, then DOWN after SlurmdTimeout)
 #   resume-node NODE   scontrol update nodename=NODE state=resume (undo an admin DOWN/DRAIN)
+#   stop-controller    stop slurmctld (state saved; jobs and steps keep running): a controller outage
+#   start-controller   start slurmctld again from its saved state
 #
 # Knobs (environment):
 #   MOE_SLURM_DIR=/tmp/moe-launch-slurm   state dir (wiped on a fresh `up`)
@@ -475,6 +477,19 @@ cmd_resume_node() {
   log "resumed $node"
 }
 
+cmd_stop_controller() {
+  is_ours "$(read_pid "$PIDS/slurmctld.pid")" || fail "slurmctld is not running"
+  stop_daemon "$PIDS/slurmctld.pid" slurmctld 15
+}
+
+cmd_start_controller() {
+  if is_ours "$(read_pid "$PIDS/slurmctld.pid")"; then log "slurmctld already running"; return 0; fi
+  # no -c: recover the saved jobs and node states, as a restarted production controller does
+  slurmctld -f "$CONF" || fail "slurmctld did not start; see $LOGS/slurmctld.log"
+  wait_until 30 slurmctld ctld_up
+  log "started slurmctld"
+}
+
 usage() { awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; }
 
 [ "$(id -u)" = 0 ] || fail "must run as root (unshare, /etc/hosts, apt-get)"
@@ -489,5 +504,7 @@ case "${1:-}" in
   start-node) cmd_start_node "${2:-}" ;;
   stop-slurmd) cmd_stop_slurmd "${2:-}" ;;
   resume-node) cmd_resume_node "${2:-}" ;;
+  stop-controller) cmd_stop_controller ;;
+  start-controller) cmd_start_controller ;;
   *) usage; exit 2 ;;
 esac

@@ -74,6 +74,16 @@ def resume_node(name: str) -> None:
     _cluster("resume-node", name)
 
 
+def stop_controller() -> None:
+    """Stop slurmctld (its state is saved; running jobs and steps go on): a controller outage."""
+    _cluster("stop-controller")
+
+
+def start_controller() -> None:
+    """Start slurmctld again from its saved state."""
+    _cluster("start-controller")
+
+
 def controller_up() -> bool:
     try:
         return "is UP" in run_cmd(["scontrol", "ping"], timeout=15, check=False).stdout
