@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import MODEL_CKPT_EVERY, RUN_TIMEOUT_S, STEPS, finish, overrides, start
+from harness import MODEL_CKPT_EVERY, RUN_TIMEOUT_S, STEPS, assert_nothing_lost, finish, overrides, report, start
 
 pytestmark = pytest.mark.slurm
 SPIKE_STEP = 10
@@ -29,11 +29,15 @@ def test_loss_spike_rolls_back_to_the_model_checkpoint_and_completes(slurm_clust
     t_spike = next(r for r in records if r["kind"] == "spike")["time"]
     relaunch = next(r for r in records if r["kind"] == "launch" and r["time"] > t_spike)
     assert "spike" in relaunch["details"]["reason"] and "same nodes" in relaunch["details"]["reason"]
-    resume = next(r["details"] for r in records  # the trainer's own record (the supervisor's has the recovery times)
-                  if r["kind"] == "resume" and r["time"] > t_spike and r["details"].get("model_only"))
+    after = [r["details"] for r in records if r["kind"] == "resume" and r["time"] > t_spike]
+    # the trainer's own record (the supervisor's carries the recovery times)
+    resume = next((d for d in after if d.get("model_only")), after)
+    assert isinstance(resume, dict), resume
     assert resume["rollback"] and resume["fresh_optimizer"] and resume["step"] == restart
     assert not summary.get("excluded_nodes")  # a spike blames no node
     state = json.loads((rd / "rollback.json").read_text())
     assert state["skips"] == [[9, 9]] and state["spikes"] == [SPIKE_STEP]
     done = [r for r in records if r["kind"] == "checkpoint" and r["details"].get("step") == STEPS]
     assert done, "the rolled-back run reached the last step"
+    assert_nothing_lost(rd, records)
+    report("spike rollback", t_spike, records)
