@@ -2,6 +2,7 @@
 
     python3 benchmarks/recovery.py --out $OUT              # 1 GPU: 4-layer OLMoE shape, compile on (the default)
     python3 benchmarks/recovery.py --out DIR --cpu-smoke   # the same choreography with tiny_moe on the CPU
+    python3 benchmarks/recovery.py --out DIR --cpu-smoke train.compile=true   # ... plus any moe-launch overrides
 
 One run on cluster=local: 1 node + 2 buffers, warm standbys on the buffers (supervisor.standby=buffers), checkpoints
 asynchronous, preflight off (not part of a recovery). Two faults, one after the other:
@@ -124,13 +125,14 @@ def main() -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny_moe on the CPU (checks the choreography)")
     ap.add_argument("--nan-step", type=int, default=None, help="step of the NaN (default: 75 on GPU, 12 on CPU)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="give up (and clean up) after this long")
+    ap.add_argument("overrides", nargs="*", help="more moe-launch overrides (they win over the script's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     nan_step = args.nan_step or (12 if args.cpu_smoke else 75)
     overrides = ["cluster=local", "cluster.nodes=1", "cluster.buffers=2", "parallel.dp=1", "health.preflight=false",
                  "supervisor.standby=buffers", "train.progress=false", "train.fault_injection.kind=nan",
                  "train.fault_injection.rank=0", f"train.fault_injection.step={nan_step}",
-                 *(CPU if args.cpu_smoke else GPU)]
+                 *(CPU if args.cpu_smoke else GPU), *args.overrides]
     root = Path(tempfile.mkdtemp(prefix="recovery-"))
     t_start = time.time()
     deadline = t_start + args.budget_s
@@ -142,11 +144,13 @@ def main() -> int:
         spare = "local3" if "local2" in results["recoveries"]["nan"]["node"] else "local2"
         t_nan = run.resumes()[0]["time"]
 
+        standbys = "supervisor.standby=off" not in overrides
+
         def ready_to_kill() -> bool:  # the spare holds the newest durable checkpoint, and training went past it
             rec, durable = run.standby(spare), run.durable_step()
             beat = read_json(run.rd / "heartbeat" / "rank0.json")
-            return bool(rec and rec.get("state") == "ready" and durable is not None and rec.get("held_step") == durable
-                        and beat and beat["time"] > t_nan and beat["step"] > durable)
+            held = not standbys or bool(rec and rec.get("state") == "ready" and rec.get("held_step") == durable)
+            return bool(held and durable is not None and beat and beat["time"] > t_nan and beat["step"] > durable)
 
         run.wait(f"{spare}'s standby holding the newest checkpoint", ready_to_kill, deadline)
         victim = read_json(run.rd / "heartbeat" / "rank0.json")

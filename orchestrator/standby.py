@@ -87,7 +87,8 @@ class StandbyPool:
     def _start(self, node: str) -> None:
         n = self.started.get(node, 0)
         self.started[node] = n + 1
-        self.idle[node] = self.cluster.launch((node,), -1, self.argv + ["--standby"], {},
+        # a negative attempt number of its own: a Slurm step is found by its name (moe-attempt-<n>) to be cancelled
+        self.idle[node] = self.cluster.launch((node,), -1 - sum(self.started.values()), self.argv + ["--standby"], {},
                                               self.rd.logs / f"standby-{node}-{n}")
 
     def _failed(self, node: str, detail: str) -> None:
