@@ -72,6 +72,8 @@ def test_ep2_zero1_trainer_matches_dp1_and_resumes_bitwise(tmp_path, data_cache)
     assert [p.returncode for p in procs] == [EXIT_OK] * 2, procs[0].stdout[-3000:] + procs[1].stdout[-3000:]
     for a, b in zip(read_jsonl(ref.metrics), read_jsonl(ep.metrics)):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a, b)
+    # the first step routes the same tokens with the same router: the load counts both EP ranks' tokens
+    assert read_jsonl(ref.metrics)[0]["expert_counts"] == read_jsonl(ep.metrics)[0]["expert_counts"]
 
     crashed = write_run(tmp_path / "ep2-crash", tiny_cfg(
         data_cache, ep=2, optimizer_sharding="zero1", steps=6,
