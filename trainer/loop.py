@@ -638,8 +638,12 @@ class Trainer:
         else:
             files, writes = FileNames.of(self.coords), (lambda m: ckpt_layout.writes(self.coords, model_only=m))
         newest = self.resume.path.name if self.resume.path is not None else None
-        return CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
-                                 asdict(self.cfg.model), self._kill_hook)
+        manager = CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
+                                    asdict(self.cfg.model), self._kill_hook)
+        t = self.cfg.train  # the host buffers are pinned in the background while the first steps run
+        manager.reserve(bool(t.ckpt_interval), bool(t.model_ckpt_interval), lambda rels: device_state(
+            rels, files, self.model, self.optimizer, self._trainer_state(self.start_step), self.device))
+        return manager
 
     def _save_checkpoints(self, done: int, full: bool, model_only: bool) -> Optional[int]:
         """Snapshot now, persist in the background; EXIT_CHECKPOINT_WRITE once persisting keeps failing."""

@@ -116,3 +116,14 @@ def _assert_bitwise(a, b) -> None:
             _assert_bitwise(a[k], b[k])
     else:
         assert a == b
+
+
+def test_reserved_buffers_are_the_ones_the_capture_fills(tmp_path):
+    state = {"model/dense.pt": {"w": torch.randn(300)}, "trainer.pt": {"step": 1}}
+    writer = AsyncCheckpointer(torch.device("cpu"), Comm(), lambda r: None)
+    writer.snapshot.reserve(state)
+    writer.snapshot._reserving.join()
+    reserved = writer.snapshot.nbytes
+    writer.request(1, [_target(tmp_path / "ckpt-a", list(state))], state)
+    assert writer.wait().ok and reserved == writer.snapshot.nbytes == 300 * 4
+    assert torch.equal(load_file(tmp_path / "ckpt-a", "model/dense.pt")["w"], state["model/dense.pt"]["w"])

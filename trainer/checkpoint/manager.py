@@ -65,6 +65,13 @@ class CheckpointManager:
     def pinned_bytes(self) -> int:
         return self.writer.snapshot.nbytes
 
+    def reserve(self, full: bool, model_only: bool, state: Callable[[list[str]], dict[str, Any]]) -> None:
+        """Allocate the host buffers of the checkpoints this run will take, in the background (see
+        HostSnapshot.reserve); `state` as for `save`."""
+        rels = (self.writes(False) if full else []) + (self.writes(True) if model_only else [])
+        if rels:
+            self.writer.snapshot.reserve(state(list(dict.fromkeys(rels))))
+
     def fence(self) -> None:
         self.writer.fence()
 

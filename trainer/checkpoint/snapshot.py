@@ -19,6 +19,7 @@ guarantees by capturing only when no persist is in flight.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import torch
@@ -33,6 +34,7 @@ class HostSnapshot:
         self._stream = torch.cuda.Stream(device) if self.pinned else None
         self._done: Optional[torch.cuda.Event] = None
         self.tree: Any = None  # the latest captured tree (host tensors), valid after wait()
+        self._reserving: Optional[threading.Thread] = None
         self.step: Optional[int] = None  # the step that tree belongs to
 
     @property
@@ -52,8 +54,28 @@ class HostSnapshot:
             self._scratch[key] = buf
         return buf
 
+    def reserve(self, tree: Any) -> None:
+        """Allocate (and pin) the buffers `capture(tree)` will use, in a background thread: pinning tens of GB
+        takes seconds, which the first checkpoint would otherwise stall for. `capture` waits for it."""
+        self._reserving = threading.Thread(target=self._allocate, args=(tree, ""), name="pin-host-buffers",
+                                           daemon=True)
+        self._reserving.start()
+
+    def _allocate(self, node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            self._buffer(path, node)
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                self._allocate(v, f"{path}/{k}")
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                self._allocate(v, f"{path}/{i}")
+
     def capture(self, tree: Any, step: int) -> Any:
         """Queue copies of every tensor leaf of `tree` into this snapshot's buffers; returns the host tree."""
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):

@@ -23,6 +23,8 @@ algorithm per file, and `verify` also accepts sha256 manifests.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -30,6 +32,7 @@ import shutil
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -49,7 +52,7 @@ MANIFEST = "manifest.json"
 SLOTS = ("ckpt-a", "ckpt-b")
 FORMAT_VERSION = 1
 DIGEST = "xxh3_64" if xxhash is not None else "crc32"
-_READ_CHUNK = 1 << 24
+_READ_CHUNK = 1 << 26
 
 
 class CheckpointWriteError(CheckpointError):
@@ -93,9 +96,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _libc_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
+    """sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE): start writing those dirty pages back, without
+    waiting (Linux); None elsewhere."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+    def start_writeback(fd: int, offset: int, n: int) -> None:
+        fn(fd, offset, n, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
+
+    return start_writeback
+
+
+_start_writeback = _libc_sync_file_range()
+_WRITE_CHUNK = 1 << 26  # bytes per write(): the digest and the disk's writeback follow the serialiser closely
+
+
 class _DigestingFile:
     """The file object torch.save writes into: every chunk (a memoryview of the tensor's own host memory, no copy)
-    is hashed and written straight through, so serialisation, digest and write are one pass."""
+    is hashed and written straight through, so serialisation, digest and write are one pass. Each chunk's
+    writeback is started at once: left to the kernel it would wait until gigabytes are dirty (or 30 s old), leaving
+    the disk idle while the page cache fills, and the final fsync would then wait for all of it."""
 
     def __init__(self, fd: int, algo: str):
         self.fd, self.hasher, self.nbytes = fd, new_hasher(algo), 0
@@ -105,16 +130,20 @@ class _DigestingFile:
         view = memoryview(data).cast("B")
         if self.error is not None:  # torch.save closing its zip after our error: swallow, write_file re-raises
             return len(view)
-        self.hasher.update(view)
-        done = 0
         try:
-            while done < len(view):
-                done += os.write(self.fd, view[done:])
+            for lo in range(0, len(view), _WRITE_CHUNK):
+                chunk = view[lo : lo + _WRITE_CHUNK]
+                self.hasher.update(chunk)
+                done = 0
+                while done < len(chunk):
+                    done += os.write(self.fd, chunk[done:])
+                if _start_writeback is not None:
+                    _start_writeback(self.fd, self.nbytes, done)
+                self.nbytes += done
         except OSError as e:
             self.error = e
             raise
-        self.nbytes += done
-        return done
+        return len(view)
 
     def flush(self) -> None:
         pass
@@ -141,8 +170,9 @@ def _no_zip_crc() -> Iterator[None]:
             setter(before)
 
 
-def write_file(path: Path, obj: Any, algo: str = DIGEST) -> dict[str, Any]:
-    """Serialise `obj` into `path` (fsynced); returns its manifest entry {algo: hexdigest, "bytes": n}."""
+def write_file(path: Path, obj: Any, algo: str = DIGEST, fsync: bool = True) -> dict[str, Any]:
+    """Serialise `obj` into `path` (fsynced unless `fsync=False`: then `fsync_file` it before relying on it);
+    returns its manifest entry {algo: hexdigest, "bytes": n}."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -156,10 +186,19 @@ def write_file(path: Path, obj: Any, algo: str = DIGEST) -> dict[str, Any]:
             raise
         if out.error is not None:
             raise out.error
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return {algo: out.hasher.hexdigest(), "bytes": out.nbytes}
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -188,13 +227,19 @@ def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Co
             failure = (str(tmp), _describe(e))
     comm.barrier()
     digests: dict[str, dict] = {}
-    for rel, obj in files.items():
-        if failure is not None:
+    for rel, obj in files.items():  # the kernel writes a file back while the next one is serialised;
+        if failure is not None:       # all are fsynced below, before any manifest can name them
             break
         try:
-            digests[rel] = {**write_file(tmp / rel, obj() if callable(obj) else obj), "rank": comm.rank}
+            digests[rel] = {**write_file(tmp / rel, obj() if callable(obj) else obj, fsync=False), "rank": comm.rank}
         except OSError as e:
             failure = (str(tmp / rel), _describe(e))
+    for rel in digests if failure is None else ():
+        try:
+            fsync_file(tmp / rel)
+        except OSError as e:
+            failure = (str(tmp / rel), _describe(e))
+            break
     if after_shards is not None and failure is None:
         after_shards()
     parts = comm.all_gather_object(failure if failure is not None else digests)
@@ -269,15 +314,26 @@ def verify_file(path: Path, info: dict) -> tuple[bool, str]:
     if path.stat().st_size != info["bytes"]:
         return False, f"{path}: {path.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
     algo, want = _digest_of(info)
-    h = new_hasher(algo)
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    if h.hexdigest() != want:
+    if _hash_file(path, new_hasher(algo)) != want:
         return False, f"{path}: {algo} mismatch (corrupted)"
     return True, "ok"
+
+
+def _hash_file(path: Path, h: Any) -> str:
+    """Digest of a file, reading the next chunk in a second thread while this one hashes the last (both release
+    the GIL), so the disk never waits for the hash."""
+    size = max(1, min(_READ_CHUNK, path.stat().st_size))
+    bufs = [bytearray(size), bytearray(size)]
+    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pending = reader.submit(f.readinto, bufs[0])
+        i = 0
+        while n := pending.result():
+            pending = reader.submit(f.readinto, bufs[1 - i])
+            h.update(memoryview(bufs[i])[:n])
+            i = 1 - i
+    return h.hexdigest()
 
 
 def verify(ckpt_dir: Path) -> tuple[bool, str]:
@@ -337,4 +393,5 @@ def load_file(ckpt_dir: Path, rel: str, map_location: Any = "cpu") -> Any:
     held = held_file(path)  # already in host memory (a warm standby's, trainer/host_restore.py)
     if held is not None and map_location == "cpu":
         return held
-    return torch.load(path, map_location=map_location, weights_only=True)
+    # mmap: the tensors are the page cache's pages (which the digest check just read), not a second copy
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
