@@ -89,8 +89,8 @@ from moe_launch.trainer.spike import (
     batch_for_step,
     checkpoint_data_skips,
     checkpoint_step,
+    judge_spike,
     model_checkpoint_before,
-    plan_rollback,
     rollback_applies,
 )
 from moe_launch.trainer.start_phases import StartPhases
@@ -481,31 +481,24 @@ class Trainer:
         """rollback: rank 0 records where the relaunched trainer restarts and which batches it never reads again,
         then every rank exits with EXIT_ROLLBACK; stop, a recurrence, or nothing to roll back to: EXIT_SPIKE."""
         t = self.cfg.train
-        action, why = t.spike.action, spike.describe()
-        code, plan = rundir.EXIT_SPIKE, None
-        if action == "rollback":
-            earlier = self.rollback.recurs(spike.step, self.start_step, t.spike.window)
-            before = model_checkpoint_before(self.run_dir.checkpoints, spike.step) if earlier is None else None
-            if earlier is not None:
-                action, why = "stop", (f"{why}; it recurs after the rollback from the spike at step {earlier}: a "
-                                       "data/model problem, not a node problem (lower train.lr, raise "
-                                       "train.spike.skip_batches, or inspect the data near this step)")
-            elif before is None:
-                action, why = "stop", (f"{why}; no persistent model checkpoint before it to roll back to (set "
-                                       "train.model_ckpt_interval)")
-            else:
-                code = rundir.EXIT_ROLLBACK
-                plan = plan_rollback(batch_for_step(spike.step - 1, self.rollback.skips), t.spike.skip_batches, before)
-        if self.rank == 0:
-            if plan is not None:
-                state = self.rollback.with_rollback(plan, spike.step, time.time(), self.spikes.state_dict())
+        self.ckpt.finish()  # a model checkpoint still being written may be the one to roll back to
+        verdict = None
+        if self.rank == 0:  # one reading of the checkpoint directory decides for every rank
+            before = model_checkpoint_before(self.run_dir.checkpoints, spike.step) if t.spike.action == "rollback" \
+                else None
+            verdict = judge_spike(spike, t.spike, self.rollback, self.start_step,
+                                  batch_for_step(spike.step - 1, self.rollback.skips), before)
+            if verdict.plan is not None:
+                state = self.rollback.with_rollback(verdict.plan, spike.step, time.time(), self.spikes.state_dict())
                 state.write(self.run_dir.root)
+            plan = verdict.plan
             journal_event(self.run_dir, "spike", [], step=spike.step, metric=spike.metric, value=spike.value,
-                          median=spike.median, limit=spike.limit, action=action, what=why,
+                          median=spike.median, limit=spike.limit, action=verdict.action, what=verdict.why,
                           rollback_to=plan.checkpoint if plan else None, restart_step=plan.step if plan else None,
                           skip_batches=list(plan.skip) if plan else None)
-            print(f"[trainer] spike: {why} -> {action}", flush=True)
-        return code
+            print(f"[trainer] spike: {verdict.why} -> {verdict.action}", flush=True)
+        verdict = self.comm.broadcast_object(verdict)
+        return rundir.EXIT_ROLLBACK if verdict.plan is not None else rundir.EXIT_SPIKE
 
     def _install_skew_guard(self) -> list[ChunkedExperts]:
         """Worst-case expert rows of a micro-batch against the memory left under train.max_memory_fraction; chunk

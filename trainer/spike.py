@@ -126,6 +126,31 @@ def plan_rollback(batch_of_spike: int, skip_batches: int, newest_before: tuple[i
     return RollbackPlan(checkpoint=str(path), step=n, skip=(max(0, batch_of_spike - skip_batches + 1), batch_of_spike))
 
 
+@dataclass(frozen=True)
+class SpikeVerdict:
+    action: str  # what happens: skip | rollback | stop
+    why: str  # the spike, and for a stop the diagnosis
+    plan: Optional[RollbackPlan]  # rollback only
+
+
+def judge_spike(spike: Spike, cfg: SpikeConfig, state: "RollbackState", start_step: int, batch_of_spike: int,
+                newest_before: Optional[tuple[int, Path]]) -> SpikeVerdict:
+    """Pure: what a spike that is not skipped leads to. `start_step`: where this attempt started (a rollback's
+    restart step); `newest_before`: the newest complete model checkpoint before the spike, if any."""
+    why = spike.describe()
+    if cfg.action != "rollback":
+        return SpikeVerdict("stop", why, None)
+    earlier = state.recurs(spike.step, start_step, cfg.window)
+    if earlier is not None:
+        return SpikeVerdict("stop", f"{why}; it recurs after the rollback from the spike at step {earlier}: a "
+                            "data/model problem, not a node problem (lower train.lr, raise train.spike.skip_batches, "
+                            "or inspect the data near this step)", None)
+    if newest_before is None:
+        return SpikeVerdict("stop", f"{why}; no persistent model checkpoint before it to roll back to (set "
+                            "train.model_ckpt_interval)", None)
+    return SpikeVerdict("rollback", why, plan_rollback(batch_of_spike, cfg.skip_batches, newest_before))
+
+
 def rollback_applies(pending: Optional[dict], slot_captured: Optional[float]) -> bool:
     """A pending rollback decides where the trainer starts until a full checkpoint whose state was captured after it
     exists (`slot_captured`: the `time` in the newest slot's trainer state, taken when the step's state was

@@ -156,3 +156,20 @@ def test_rollback_yields_only_to_a_checkpoint_captured_after_it():
     pending = {"checkpoint": "model-step-6", "step": 6, "time": 100.0}
     assert rollback_applies(pending, None) and rollback_applies(pending, 99.0)
     assert not rollback_applies(pending, 101.0) and not rollback_applies(None, 99.0)
+
+
+def test_judge_spike_rolls_back_once_then_calls_a_recurrence_a_data_or_model_problem(tmp_path):
+    from moe_launch.trainer.spike import Spike, judge_spike
+
+    cfg = SpikeConfig(action="rollback", window=5, skip_batches=2)
+    spike = Spike(step=10, metric="loss", value=60.0, median=6.0, limit=7.0)
+    fresh = RollbackState(skips=[], pending=None, spikes=[])
+    first = judge_spike(spike, cfg, fresh, 0, 9, (6, tmp_path / "model-step-6"))
+    assert first.action == "rollback" and first.plan.step == 6 and first.plan.skip == (8, 9)
+    after = fresh.with_rollback(first.plan, 10, 1.0, {})
+    again = judge_spike(spike, cfg, after, 6, 11, (6, tmp_path / "model-step-6"))
+    assert again.action == "stop" and "data/model problem" in again.why and again.plan is None
+    later = Spike(step=40, metric="loss", value=60.0, median=6.0, limit=7.0)  # far past the earlier spike: new
+    assert judge_spike(later, cfg, after, 6, 41, (36, tmp_path / "model-step-36")).action == "rollback"
+    assert judge_spike(spike, cfg, fresh, 0, 9, None).action == "stop"
+    assert judge_spike(spike, SpikeConfig(action="stop"), fresh, 0, 9, None).action == "stop"
