@@ -52,7 +52,15 @@ from moe_launch.orchestrator.state import Action, SupervisorState, apply, in_run
 from moe_launch.orchestrator.step_log import trainer_message
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.watch import Watcher
-from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, RunDir, journal_event, node_name, read_jsonl
+from moe_launch.rundir import (
+    EXIT_CHECKPOINT,
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_CONFIG,
+    RunDir,
+    journal_event,
+    node_name,
+    read_jsonl,
+)
 
 STOP_FILE = "STOP"
 _ACTION_KIND = {"launch": "launch", "relaunch": "launch", "update": "info", "stop": "stop", "complete": "done"}
@@ -239,7 +247,9 @@ class Supervisor:
             if result is not None:
                 step, self.step = self.step, None
                 events += self.watcher.faults()  # a fault record explains the exit better than the exit code
-                said = trainer_message(self.rd.logs / f"attempt{step.attempt}") if result.code else ""
+                # the trainer prints why it refuses (bad config or data, no usable checkpoint) as its last line
+                said = (trainer_message(self.rd.logs / f"attempt{step.attempt}")
+                        if result.code in (EXIT_CONFIG, EXIT_CHECKPOINT) else "")
                 if result.code == EXIT_CHECKPOINT_WRITE:
                     said = _storage_error(read_jsonl(self.rd.journal)) or said
                 detail = f"{result.detail}; the trainer said: {said}" if said else result.detail
