@@ -21,7 +21,7 @@ from typing import Any
 
 from moe_launch.orchestrator.backend import Cluster, Step
 from moe_launch.rundir import RunDir, journal_event
-from moe_launch.trainer.standby import STANDBY_DIR
+from moe_launch.trainer.standby import STANDBY_DIR, STANDBY_ID_ENV
 
 MODES = ("off", "buffers", "all")
 MAX_FAILURES = 3
@@ -40,17 +40,17 @@ def standby_mode(sup_cfg: Any) -> str:
     return "off" if sup_cfg.trainer_command else sup_cfg.standby
 
 
-def all_taken(standby_dir: Path, node: str) -> bool:
-    """Every slot record of `node` says a launched task took it over (and none is missing)."""
-    recs = list(standby_dir.glob(f"{node}-l*.json"))
+def all_taken(standby_dir: Path, node: str, standby_id: str) -> bool:
+    """Every slot record of `node` written by the standby step `standby_id` says a launched task took it over."""
     states = []
-    for path in recs:
+    for path in standby_dir.glob(f"{node}-l*.json"):
         if path.name.endswith((".go.json", ".exit.json")):
             continue
         try:
-            states.append(json.loads(path.read_text()).get("state"))
+            rec = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             return False
+        states.append(rec.get("state") if rec.get("id") == standby_id else "other")
     return bool(states) and all(s == "taken" for s in states)
 
 
@@ -59,6 +59,7 @@ class StandbyPool:
         self.cluster, self.rd, self.argv, self.mode = cluster, rd, list(argv), mode
         self.dir = rd.root / STANDBY_DIR
         self.idle: dict[str, Step] = {}  # node -> its standby step, not taken yet
+        self.ids: dict[str, str] = {}  # node -> the id of its idle standby step (its records carry it)
         self.serving: list[Step] = []  # standbys a launched rank took over: part of an attempt now
         self.failures: dict[str, int] = {}
         self.started: dict[str, int] = {}
@@ -70,7 +71,7 @@ class StandbyPool:
         self.serving = [s for s in self.serving if s.poll() is None]
         for node, step in list(self.idle.items()):
             result = step.poll()
-            if result is None and all_taken(self.dir, node):
+            if result is None and all_taken(self.dir, node, self.ids[node]):
                 self.serving.append(self.idle.pop(node))
             elif result is not None:
                 del self.idle[node]
@@ -87,9 +88,11 @@ class StandbyPool:
     def _start(self, node: str) -> None:
         n = self.started.get(node, 0)
         self.started[node] = n + 1
+        launched = sum(self.started.values())
+        self.ids[node] = str(launched)
         # a negative attempt number of its own: a Slurm step is found by its name (moe-attempt-<n>) to be cancelled
-        self.idle[node] = self.cluster.launch((node,), -1 - sum(self.started.values()), self.argv + ["--standby"], {},
-                                              self.rd.logs / f"standby-{node}-{n}")
+        self.idle[node] = self.cluster.launch((node,), -launched, self.argv + ["--standby"],
+                                              {STANDBY_ID_ENV: self.ids[node]}, self.rd.logs / f"standby-{node}-{n}")
 
     def _failed(self, node: str, detail: str) -> None:
         self.failures[node] = self.failures.get(node, 0) + 1

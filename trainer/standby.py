@@ -9,7 +9,8 @@ restore after the hand-over reads no disk; it never writes the run's state (chec
 told to.
 
 The hand-over is file-based in standby/ of the run directory (shared by the nodes), one slot per (node, local rank):
-  <slot>.json       the standby: pid, state (ready | taken), time (refreshed every second), CUDA_VISIBLE_DEVICES,
+  <slot>.json       the standby: pid, id (the supervisor's), state (starting | ready | taken), time (refreshed
+                    every second), CUDA_VISIBLE_DEVICES,
                     held_step (the checkpoint it holds in memory)
   <slot>.go.json    the claim, created exclusively by the launched task: its rank environment, attempt, pid and
                     process start time
@@ -38,6 +39,7 @@ from moe_launch.trainer.host_restore import HoldNewest, held_step
 from moe_launch.trainer.start_phases import PROCESS_START_ENV, process_start_time
 
 STANDBY_DIR = "standby"
+STANDBY_ID_ENV = "MOE_LAUNCH_STANDBY_ID"  # the supervisor's id of the standby step, copied into its records
 REFRESH_S = 1.0  # the standby rewrites its record this often
 STALE_S = 10.0  # a record older than this is a dead or frozen standby
 _POLL_S = 0.02
@@ -151,10 +153,12 @@ def serve(cfg: Any, run_dir: RunDir, run_trainer: Callable[..., int]) -> int:
     slot = slot_name(node_name(), env.local_rank)
     for stale in (f"{slot}.go.json", f"{slot}.exit.json"):  # an earlier standby's, on this slot
         (sdir / stale).unlink(missing_ok=True)
+    record = {"pid": os.getpid(), "node": node_name(), "local_rank": env.local_rank, "state": "starting",
+              "id": os.environ.get(STANDBY_ID_ENV), "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    write_json_atomic(sdir / f"{slot}.json", {**record, "time": time.time()})  # this slot's record is now ours
     model = warm_model(cfg, device)
     holder = HoldNewest(run_dir.checkpoints)  # the newest checkpoint, verified and in host memory
-    record = {"pid": os.getpid(), "node": node_name(), "local_rank": env.local_rank, "state": "ready",
-              "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "prebuilt": model is not None}
+    record.update(state="ready", prebuilt=model is not None)
     stop = threading.Event()
 
     def refresh() -> None:

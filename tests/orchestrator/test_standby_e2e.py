@@ -11,6 +11,7 @@ from e2e_util import (
     FAST,
     finish,
     kill_ranks_on,
+    metrics_step,
     newest_checkpoint_step,
     start,
     supervisor_resume,
@@ -71,3 +72,24 @@ def test_a_dead_standby_is_reported_and_replaced_never_used(tmp_path):
     note = next(r for r in journal if "standby on local2 ended before use" in r["details"].get("message", ""))
     assert "replacing it" in note["details"]["message"] and note["nodes"] == ["local2"]
     assert replaced["pid"] != first_standby["pid"]
+
+
+def test_standby_all_makes_every_rank_of_a_relaunch_warm(tmp_path):
+    """supervisor.standby=all: the surviving node's rank is handed to its own standby too (DP=2, one node killed)."""
+    proc, rd = start(tmp_path, "sba", "health.preflight=false", "cluster.nodes=2", "cluster.buffers=1",
+                     "parallel.dp=2", "supervisor.standby=all", "train.steps=40", "train.step_sleep_s=0.5", *FAST)
+    for node in ("local1", "local2", "local3"):
+        wait_for(lambda n=node: _ready(proc, rd, n), 300, f"standby on {node}")
+    wait_for(lambda: metrics_step(rd) >= 2, 300, "step 2")
+    t_kill = kill_ranks_on(rd, "local2")
+    code, summary, journal = finish(proc, tmp_path, "sba", 400)
+    assert code == 0 and summary["status"] == "completed" and summary["swapped_nodes"] == [
+        {"out": "local2", "in": "local3"}]
+    for node, rank in (("local1", 0), ("local3", 1)):
+        log = (rd / "logs" / "attempt1" / f"{node}-rank{rank}.log").read_text()
+        assert f"handed to the warm standby {node}-l0" in log, log[-2000:]
+    # local1 had one standby before the relaunch (taken) and one after: a taken standby is not mistaken for the next
+    assert len(list((rd / "logs").glob("standby-local1-*"))) == 2
+    resumed = supervisor_resume(journal, t_kill)
+    print(f"\n[local, standby=all, DP=2] resumed {resumed['details']['seconds_since_failure']:.1f} s after the "
+          f"failure: {resumed['details']['breakdown']}")
