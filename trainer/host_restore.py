@@ -67,11 +67,26 @@ def hold(ckpt_dir: Path, should_stop: Callable[[], bool] = lambda: False) -> boo
         if should_stop():
             return False
         objs[rel] = torch.load(ckpt_dir / rel, map_location="cpu", weights_only=True, mmap=True)
+        _map_pages(objs[rel], torch)
     held = Held(ckpt_dir, int(manifest["step"]), dict(manifest["files"]), objs, stamps)
     if not _unchanged(held):  # replaced while being read
         return False
     _held = held
     return True
+
+
+def _map_pages(obj: Any, torch: Any) -> None:
+    """Touch one byte per page of every tensor in `obj`: the pages are in the page cache (the digest read them), but a
+    fresh mapping faults on first access, page by page; done here, in the background, not in the restore."""
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() and obj.is_contiguous():
+            obj.reshape(-1).view(torch.uint8)[::4096].sum()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _map_pages(v, torch)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _map_pages(v, torch)
 
 
 def held_step() -> Optional[int]:
