@@ -14,10 +14,11 @@ Actions (train.spike.action):
   skip      drop the update of that step (the data position and the schedule move on)
   rollback  exit with EXIT_ROLLBACK after writing `rollback.json` in the run directory: the relaunched trainer
             starts from the newest persistent model checkpoint before the spike, with a fresh optimizer at that
-            checkpoint's step, and never reads the spike's data window again (`data_skips`)
+            checkpoint's step, and never reads the spike's batches again (rollback.json's `skips`)
   stop      exit with EXIT_SPIKE and a diagnosis
 A spike that comes back after a rollback, before the step of the spike it rolled back from plus the window, is a
-data/model problem (the nodes and the optimizer state were both replaced): the trainer stops with EXIT_SPIKE.
+data/model problem (no node is to blame, and neither the fresh optimizer state nor skipping the spike's batches helped):
+the trainer stops with EXIT_SPIKE.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class SpikeDetector:
         return {"loss": list(self.loss), "grad_norm": list(self.grad_norm)}
 
 
-# -- rollback bookkeeping (rank 0 writes, every rank reads) --------------------------------------------------------
+# -- rollback bookkeeping (rank 0 reads and writes rollback.json; the trainer broadcasts what it read) --------------
 @dataclass(frozen=True)
 class RollbackPlan:
     checkpoint: str  # the model-step-N directory the relaunched trainer starts from
@@ -163,8 +164,14 @@ def rollback_applies(pending: Optional[dict], slot_captured: Optional[float]) ->
 def batch_for_step(step: int, skips: list[tuple[int, int]]) -> int:
     """0-based batch index that 0-based step `step` reads when the batches of `skips` (inclusive [first, last]
     ranges) are never read: steps map onto the remaining batches in order. Pure."""
+    merged: list[list[int]] = []
+    for first, last in sorted(skips):  # windows of later rollbacks may overlap earlier ones
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
     batch = step
-    for first, last in sorted(skips):
+    for first, last in merged:
         if batch >= first:
             batch += last - first + 1
     return batch

@@ -45,6 +45,7 @@ def test_steps_map_onto_the_batches_that_were_not_skipped():
     skips = [(9, 9), (3, 4)]
     assert [batch_for_step(s, skips) for s in range(8)] == [0, 1, 2, 5, 6, 7, 8, 10]
     assert [batch_for_step(s, []) for s in range(3)] == [0, 1, 2]
+    assert [batch_for_step(s, [(3, 4), (4, 6)]) for s in range(5)] == [0, 1, 2, 7, 8]  # overlapping windows
 
 
 def test_config_checks_name_the_key():
