@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import sys
@@ -91,3 +92,15 @@ def test_no_progress_bar_without_a_terminal(tmp_path, monkeypatch):
     sink = MetricsSink(RunDir(tmp_path).make(), total_steps=5, start_step=0, tracking=[], progress=True)
     assert sink.progress is None
     sink.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (pip install wandb)")
+def test_train_tracking_wandb_offline_through_the_trainer(tmp_path, data_cache, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = tiny_cfg(data_cache, steps=2, ckpt_interval=0, tracking=["tensorboard", "wandb"])
+    rd = write_run(tmp_path / "run", cfg)
+    assert Trainer(cfg, rd).train() == EXIT_OK
+    (run,) = (rd.root / "wandb").glob("offline-run-*")
+    assert b"train/loss" in next(run.glob("*.wandb")).read_bytes()
+    assert any(p.name.startswith("events.out.tfevents") for p in (rd.root / "tensorboard").iterdir())

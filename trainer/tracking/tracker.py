@@ -91,7 +91,12 @@ class Tracker:
             self._tb.close()
             self._tb = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() can return before W&B's service has written the run's file (seen offline: only the header
+            # was on disk); teardown waits for it. A later wandb.init in this process sets the service up again.
+            wandb.teardown()
             self._wandb = None
 
     def __enter__(self) -> "Tracker":
