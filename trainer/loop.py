@@ -70,6 +70,7 @@ from moe_launch.trainer.moe.skew import (
     free_memory_bytes,
     install_skew_guard,
     load_alerts,
+    newly_above,
     rows_budget,
     worst_case_rows,
 )
@@ -220,6 +221,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, t, p, self.groups, t.lr)
         self.balancer = BiasBalancer.of(self.model, cfg.model.moe.bias_update_rate, self.groups.dp_ep)
         self.skew_guards = self._install_skew_guard()  # after the model and optimizer: sized by what is left
+        self._skew_seen: dict = {"rows": 0, "above": set()}  # what the journal already says (records on change only)
         if self.resume.path is not None:
             self._load_optimizer_and_rng(self.resume.path)
             saved_state = ckpt_state.load_trainer_state(self.resume.path)
@@ -517,17 +519,20 @@ class Trainer:
         return install_skew_guard(layers, budget) if worst > budget else []
 
     def _skew_records(self, done: int, counts_LE: Optional[torch.Tensor]) -> None:
-        """Journal the expert calls the guard chunked since the last log step (any rank) and, from rank 0, the layers
-        whose global max/mean expert load is above train.expert_load_alert."""
+        """Journal the guard's chunked expert calls when they reach a new size (any rank) and, from rank 0, the layers
+        whose global max/mean expert load rose above train.expert_load_alert since the last log step."""
         chunked = [e for g in self.skew_guards for e in g.drain()]
-        if chunked:
+        rows = max((r for r, _ in chunked), default=0)
+        if rows > self._skew_seen["rows"]:
+            self._skew_seen["rows"] = rows
             journal_event(self.run_dir, "skew", [self.host], step=done, rank=self.rank, chunked_calls=len(chunked),
-                          max_rows=max(r for r, _ in chunked), max_chunks=max(c for _, c in chunked))
+                          max_rows=rows, max_chunks=max(c for _, c in chunked))
         alerts = load_alerts(counts_LE, self.cfg.train.expert_load_alert) if counts_LE is not None else []
-        if alerts and self.rank == 0:
+        new, self._skew_seen["above"] = newly_above(alerts, self._skew_seen["above"])
+        if new and self.rank == 0:
             journal_event(self.run_dir, "skew", [], step=done, alert="expert load max/mean above "
                           f"train.expert_load_alert={self.cfg.train.expert_load_alert}",
-                          layers={str(i): round(r, 3) for i, r in alerts})
+                          layers={str(i): round(r, 3) for i, r in new})
 
     def _stage_loads(self, per_layer: list) -> list[torch.Tensor]:
         """This step's expert load of each MoE layer held here (a pipeline reports every layer of the model)."""

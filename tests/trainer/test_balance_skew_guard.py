@@ -18,6 +18,7 @@ from moe_launch.trainer.moe.skew import (
     balanced_rows,
     expert_bytes_per_row,
     load_alerts,
+    newly_above,
     rows_budget,
     worst_case_rows,
 )
@@ -83,10 +84,14 @@ def test_calls_within_the_budget_are_not_chunked():
     assert guard.drain() == []
 
 
-def test_load_alert_names_the_skewed_layers_only():
+def test_load_alert_names_the_skewed_layers_only_once_per_crossing():
     counts_LE = torch.tensor([[10, 10, 10, 10], [40, 0, 0, 0], [13, 9, 9, 9]])
     assert load_alerts(counts_LE, 2.0) == [(1, 4.0)]
     assert load_alerts(counts_LE, 0.0) == []
+    new, above = newly_above([(1, 4.0)], set())
+    assert new == [(1, 4.0)] and above == {1}
+    assert newly_above([(1, 3.9), (2, 2.5)], above) == ([(2, 2.5)], {1, 2})  # layer 1 still above: said already
+    assert newly_above([], {1, 2}) == ([], set())  # back to balance: a later crossing is news again
 
 
 def test_config_checks_name_the_key():
@@ -112,8 +117,9 @@ def test_trainer_chunks_when_the_worst_case_does_not_fit_and_journals_it(tmp_pat
         assert skew[0]["worst_case_rows"] == cfg.train.micro_batch_size * cfg.train.seq_len * m.moe.top_k
         assert skew[0]["chunked"] is (name == "tight")
         chunked = [s for s in skew if "chunked_calls" in s]
-        assert bool(chunked) is (name == "tight")
+        assert len(chunked) == (1 if name == "tight" else 0)  # recorded once: the size never grew
         if chunked:
             assert chunked[0]["max_chunks"] == cfg.train.micro_batch_size * cfg.train.seq_len  # budget: one token
-        assert any("alert" in s and s["layers"] for s in skew)  # any real routing is above 1.01
+        alerts = [s for s in skew if "alert" in s]  # any real routing is above 1.01, from the first step on
+        assert len(alerts) == 1 and alerts[0]["step"] == 1 and sorted(alerts[0]["layers"]) == ["0", "1"]
     assert losses["tight"] == pytest.approx(losses["roomy"], rel=1e-5)

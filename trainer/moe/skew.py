@@ -116,3 +116,9 @@ def load_alerts(counts_LE: torch.Tensor, threshold: float) -> list[tuple[int, fl
     c = counts_LE.double()
     ratio_L = c.max(dim=1).values / c.mean(dim=1).clamp(min=1e-9)
     return [(i, float(r)) for i, r in enumerate(ratio_L.tolist()) if r > threshold]
+
+
+def newly_above(alerts: list[tuple[int, float]], above: set[int]) -> tuple[list[tuple[int, float]], set[int]]:
+    """Edge-triggered alerts (a collapsed layer would otherwise fill the journal at every log step): the layers that
+    crossed the threshold since the last check, and the set of layers above it now."""
+    return [(i, r) for i, r in alerts if i not in above], {i for i, _ in alerts}
