@@ -66,7 +66,8 @@ def subcommand(argv: list[str]) -> int:
     except SystemExit as e:  # --help (0) or a usage error (argparse's 2, our bad-input code too)
         return int(e.code or 0)
     if argv[0] in ("report", "export"):
-        if not (args.run / "config.yaml").exists() and not (args.run / "metrics.jsonl").exists():
+        if not (args.run / "config.yaml").exists() and not (args.run / "metrics.jsonl").exists() and not (
+                argv[0] == "report" and any(args.run.glob("*/config.yaml"))):
             return _fail(f"no such run: {args.run} (no config.yaml or metrics.jsonl there); pass runs/<name>")
     try:
         if argv[0] == "report":

@@ -53,7 +53,7 @@ def parser(name: str) -> argparse.ArgumentParser:
         ap = argparse.ArgumentParser(prog=prog, description="plots of a run: loss parts, lr, grad norm, tokens/s, "
                                      "MFU, step time, expert-load heatmap, failures and restarts on the time axis; "
                                      "writes RUN_DIR/plots/report.html and PNGs")
-        ap.add_argument("run", type=Path, help="the run directory, runs/<name>")
+        ap.add_argument("run", type=Path, help="the run directory, runs/<name> (a sweep directory: all its runs)")
         ap.add_argument("compare", type=Path, nargs="*", help="more run directories to overlay")
         ap.add_argument("--out", type=Path, default=None, help="output directory (default: RUN_DIR/plots)")
         return ap

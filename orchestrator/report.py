@@ -234,12 +234,21 @@ def make_plots(runs: str | Path | Sequence[str | Path], out_dir: Optional[str | 
     return [*pngs, write_html(series, pngs, out / "report.html")]
 
 
+def expand_runs(paths: Sequence[str | Path]) -> list[Path]:
+    """Run directories as given; a sweep directory (no run of its own, runs inside) stands for all of its runs."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        inner = sorted(c.parent for c in p.glob("*/config.yaml"))
+        out += inner if not RunDir(p).config.exists() and not RunDir(p).metrics.exists() and inner else [p]
+    return out
+
+
 def main_report(run_dir: str | Path, compare: Sequence[str | Path] = (), out_dir: Optional[str | Path] = None) -> int:
-    """`moe-launch report runs/<name> [other runs to overlay]`: regenerate runs/<name>/plots/. Exit 0, or 1 when
-    the run has no metrics yet."""
+    """`moe-launch report runs/<name> [other runs to overlay]` (or a sweep directory: all its runs overlaid):
+    regenerate <first directory>/plots/. Exit 0, or 1 when no run has metrics yet."""
     run_dir = Path(run_dir)
     try:
-        paths = make_plots([run_dir, *compare], out_dir=Path(out_dir) if out_dir else run_dir / "plots")
+        paths = make_plots(expand_runs([run_dir, *compare]), out_dir=Path(out_dir) if out_dir else run_dir / "plots")
     except ImportError as e:  # both are dependencies of the package; a trimmed environment gets told what to add
         print(f"moe-launch report needs matplotlib and jinja2 ({e}): pip install matplotlib jinja2", file=sys.stderr)
         return 2

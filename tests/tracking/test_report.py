@@ -142,6 +142,16 @@ def test_single_run_report_and_cli(tmp_path, capsys):
     assert make_plots(empty.root) == []
 
 
+def test_a_sweep_directory_overlays_its_runs(tmp_path):
+    _synthetic_run(tmp_path / "sweep" / "s-0", "moe", seed=1, steps=6, overrides=("train.lr=1e-3",))
+    _synthetic_run(tmp_path / "sweep" / "s-1", "moe", seed=2, steps=6, overrides=("train.lr=3e-4",))
+    proc = subprocess.run([str(Path(sys.executable).with_name("moe-launch")), "report", str(tmp_path / "sweep")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    page = (tmp_path / "sweep" / "plots" / "report.html").read_text()
+    assert "<td>train.lr=1e-3</td>" in page and "<td>train.lr=3e-4</td>" in page
+
+
 def test_report_without_matplotlib_says_what_to_install(tmp_path):
     rd = _synthetic_run(tmp_path / "run", "moe", seed=3, steps=4)
     code = ("import sys; sys.modules['matplotlib'] = None\n"  # import matplotlib now raises ImportError
