@@ -182,12 +182,11 @@ def run_overrides(rd: RunDir) -> list[str]:
 
 def legend_labels(series: list[RunSeries]) -> list[str]:
     """What tells the runs apart: the overrides that differ between them (the sweep's values: "train.lr=1e-3"),
-    else the run name; a single run shows its name and its overrides."""
+    else the run name; a single run is its name (the runs table lists its overrides)."""
     from moe_launch.orchestrator.sweep import varied
 
     if len(series) == 1:
-        s = series[0]
-        return [" ".join([s.name, *s.overrides]) if s.overrides else s.name]
+        return [series[0].name]
     shown = varied([{"overrides": s.overrides} for s in series])
     return [" ".join(o) if o else s.name for s, o in zip(series, shown)]
 

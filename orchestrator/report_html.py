@@ -22,17 +22,17 @@ _TEMPLATE = """<!DOCTYPE html>
 body { font-family: sans-serif; margin: 2em; max-width: 1100px; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
 td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; } td.why { max-width: 30em; overflow-wrap: anywhere; }
 .failure { color: #c0392b; } .swap { color: #d35400; } .restart { color: #8e44ad; } .checkpoint { color: #1e8449; }
 figure { margin: 1em 0; } img { max-width: 100%; }
 </style></head>
 <body>
 <h1>{{ title }}</h1>
 <h2>Runs</h2>
-<table id="runs"><thead><tr><th>run</th><th>legend</th><th>status</th><th>steps</th><th>final loss</th>
-<th>restarts</th><th>swaps</th><th>tokens/s</th><th>MFU</th><th>wall</th></tr></thead><tbody>
-{% for r in runs %}<tr><td>{{ r.name }}</td><td>{{ r.label }}</td><td>{{ r.status }}</td>
-<td class="num">{{ r.steps }}</td>
+<table id="runs"><thead><tr><th>run</th><th>legend</th><th>overrides</th><th>status</th><th>steps</th>
+<th>final loss</th><th>restarts</th><th>swaps</th><th>tokens/s</th><th>MFU</th><th>wall</th></tr></thead><tbody>
+{% for r in runs %}<tr><td>{{ r.name }}</td><td>{{ r.label }}</td><td class="why">{{ r.overrides }}</td>
+<td>{{ r.status }}</td><td class="num">{{ r.steps }}</td>
 <td class="num">{{ r.final_loss }}</td><td class="num">{{ r.restarts }}</td><td class="num">{{ r.swaps }}</td>
 <td class="num">{{ r.tokens_per_s }}</td><td class="num">{{ r.mfu }}</td><td class="num">{{ r.wall }}</td></tr>
 {% endfor %}</tbody></table>
@@ -65,6 +65,13 @@ def _last(s: RunSeries, key: str) -> float:
     return float(ok[-1]) if ok.size else float("nan")
 
 
+def _mfu_cell(spec: float, gemm: float) -> str:
+    """The data-sheet MFU, else the one against the measured GEMM rate (CPU, an unknown GPU), saying which."""
+    if np.isfinite(spec):
+        return f"{100 * spec:.1f}%"
+    return f"{100 * gemm:.1f}% of GEMM" if np.isfinite(gemm) else "-"
+
+
 def run_row(s: RunSeries) -> dict[str, str]:
     """Pure: the runs-table cells of one run (summary.json where the run finished, else the metrics so far)."""
     sm = s.summary
@@ -75,7 +82,7 @@ def run_row(s: RunSeries) -> dict[str, str]:
             "swaps": _fmt(len(sm.get("swapped_nodes", [])) if sm else sum(e.kind == "swap" for e in s.events), "d"),
             "tokens_per_s": _fmt(float(np.nanmedian(s.cols["tokens_per_s"]))
                                  if np.isfinite(s.cols["tokens_per_s"]).any() else None, ",.0f"),
-            "mfu": _fmt(100 * _last(s, "mfu"), ".1f") + ("%" if np.isfinite(_last(s, "mfu")) else ""),
+            "mfu": _mfu_cell(_last(s, "mfu"), _last(s, "mfu_gemm")), "overrides": " ".join(s.overrides) or "-",
             "wall": _fmt(sm.get("wall_s"), ".0f") + (" s" if "wall_s" in sm else "")}
 
 
