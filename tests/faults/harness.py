@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -47,7 +48,10 @@ PLACEMENT = ["cluster=slurm", "cluster.nodes=2", "cluster.exclude=[node1,node2]"
 
 
 def overrides(buffers: int = 1, *extra: str) -> list[str]:
-    return [*PLACEMENT, f"cluster.buffers={buffers}", *NUMERICS, *extra]
+    # a fresh health store per run: faults injected into one test must not quarantine nodes for the next (the
+    # supervisor records in-run blame in the store, which quarantines a node after repeated failures)
+    store = tempfile.mkdtemp(prefix="moe-faults-health-")
+    return [*PLACEMENT, f"cluster.buffers={buffers}", f"health.store_dir={store}", *NUMERICS, *extra]
 
 
 def journal(rd: Path) -> list[dict[str, Any]]:
