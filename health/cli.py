@@ -150,6 +150,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             console.print(report.build(history, quarantined, since, cluster.name, html_path,
                                        source=", ".join(map(str, src.dirs))))
             console.print(f"history from {', '.join(map(str, src.dirs))}; wrote {html_path}")
+            if src.not_shown:
+                console.print(f"{len(src.not_shown)} run(s) under {a.runs_root}/ keep their own history "
+                              f"(cluster=local): moe-health report --run {src.not_shown[-1].parents[2]}")
             return 0
         if a.cmd == "release":
             was = store.release(cdir, a.node)

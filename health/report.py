@@ -161,6 +161,7 @@ class HistorySources:
     dirs: list[Path]  # cluster store directories holding history.jsonl
     out_dir: Path  # report.html goes here: the store, or the run's health/ directory
     looked: list[str]  # every place searched, for the message when nothing is found
+    not_shown: list[Path] = field(default_factory=list)  # runs' own histories left out (the cluster store won)
 
 
 def history_sources(store_cdir: Path, run: Optional[Path], runs_root: Path) -> HistorySources:
@@ -173,10 +174,10 @@ def history_sources(store_cdir: Path, run: Optional[Path], runs_root: Path) -> H
         found = stores_of(run) or ([store_cdir] if (store_cdir / "history.jsonl").exists() else [])
         return HistorySources(found, run / "health", [str(run / "health" / "store" / "*"), str(store_cdir)])
     looked = [str(store_cdir), str(runs_root / "*" / "health" / "store" / "*")]
-    if (store_cdir / "history.jsonl").exists():
-        return HistorySources([store_cdir], store_cdir, looked)
     found = sorted((p.parent for p in runs_root.glob("*/health/store/*/history.jsonl")),
                    key=lambda d: (d / "history.jsonl").stat().st_mtime)
+    if (store_cdir / "history.jsonl").exists():
+        return HistorySources([store_cdir], store_cdir, looked, not_shown=found)
     out = found[-1].parents[1] if found else store_cdir
     return HistorySources(found, out, looked)
 

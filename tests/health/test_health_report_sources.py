@@ -55,11 +55,15 @@ def test_a_named_run_and_nothing_found(tmp_path, capsys):
     assert "no health history found" in out and "empty-store" in out and "nothing" in out
 
 
-def test_cluster_store_page_lands_in_the_store(tmp_path):
+def test_cluster_store_page_lands_in_the_store(tmp_path, capsys):
     cdir = tmp_path / "store" / "c1"
     store.append_results(cdir, [CheckResult("n1", "dcgm", "pass", time=T0)], "r")
-    args = ["report", "--cluster", "local", "cluster.name=c1", f"health.store_dir={tmp_path / 'store'}"]
+    _local_run(tmp_path / "runs", "loc")
+    args = ["report", "--cluster", "local", "cluster.name=c1", f"health.store_dir={tmp_path / 'store'}",
+            "--runs-root", str(tmp_path / "runs")]
     assert health_cli(args) == 0
+    out = capsys.readouterr().out.replace("\n", "")
+    assert f"moe-health report --run {tmp_path / 'runs' / 'loc'}" in out  # the local run is pointed to
     page = (cdir / "report.html").read_text()
     assert "<img" not in page  # no a2a or GEMM data: no empty charts
     assert '<table id="dcgm">' in page and "all tests" in page
