@@ -8,9 +8,9 @@ One optimizer step (`_step`):
   -> reduce gradients, clip, AdamW step (trainer/parallel/optimizer.py)
   -> heartbeat, metrics (rank 0), checkpoint / model checkpoint when due, preemption exit.
 Under pipeline parallelism (parallel.pp > 1) the model is this rank's stage (trainer/pipeline/), the forward /
-backward of the micro-batches is one `pipeline_step` (its schedule interleaves them across stages), and checkpoints
-use the stage-sharded files of trainer/pipeline/ckpt.py; everything else (fault check, reduction, optimizer, metrics)
-is the same code, run per stage.
+backward of the micro-batches is one `pipeline_step` (its schedule interleaves them across stages), and the
+checkpoint files name the stage (trainer/checkpoint/layout.py); everything else (fault check, reduction, optimizer,
+metrics) is the same code, run per stage.
 Dtypes: compute in `train.dtype` (bf16 autocast on GPU by default); parameters and gradients in `train.param_dtype`
 (bf16 with bf16 compute by default): the model is built and loaded in fp32, then its parameters are cast, and the
 optimizer keeps the fp32 master weights and moments (and checkpoints them), so a resume stays bitwise.
@@ -47,6 +47,7 @@ from moe_launch.trainer.checkpoint import layout as ckpt_layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.manager import CheckpointManager
+from moe_launch.trainer.checkpoint.resume import load_optimizer_resharded, resume_mode
 from moe_launch.trainer.checkpoint.state import FileNames, device_state
 from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot
 from moe_launch.trainer.compile import compile_enabled, compile_model
@@ -79,9 +80,7 @@ from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
-from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_mode
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
-from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 from moe_launch.trainer.recompute import apply_recompute
 from moe_launch.trainer.spike import (
     RollbackState,
@@ -160,9 +159,7 @@ class Trainer:
         self.rank, self.host = self.groups.world_rank, node_name()
         self.hosts: list[str] = self.comm.all_gather_object(self.host)
         install_rank_logging(self.rank, self.host)
-        self.coords = Coords(rank=self.rank, dp_rank=self.groups.dp_rank, ep_rank=self.groups.ep_rank,
-                             ep_size=self.groups.ep_size, optimizer_sharding=p.optimizer_sharding,
-                             is_moe=cfg.model.kind == "moe", dp_size=self.groups.dp_size)
+        self.coords = Coords.of(self.groups, p.optimizer_sharding, is_moe=cfg.model.kind == "moe")
         set_determinism(t.deterministic, device)
         self.dtype = compute_dtype(t.dtype, device)
         self.param_dtype = param_dtype(t.param_dtype, self.dtype)
@@ -185,8 +182,6 @@ class Trainer:
 
         torch.manual_seed(t.seed)  # every stage / rank draws the same init: a stage gets its slice of the PP=1 model
         self.pipeline: Optional[Pipeline] = None
-        # stage coordinates (pp_rank 0 at pp=1): the stage-sharded files, and model-only loads across PP layouts
-        self.scoords = stage_ckpt.StageCoords.of(self.groups, p.optimizer_sharding, cfg.model.kind == "moe")
         if model is not None:
             self.model = model
         elif p.pp > 1:
@@ -262,7 +257,7 @@ class Trainer:
             self._check_param_dtype(saved.get("param_dtype"))
             self.saved_layout = saved["layout"]
             self.resume_mode = resume_mode(self.saved_layout, self._layout())
-            self._load_and_broadcast(self.resume.path, any_layout=False)
+            self._load_and_broadcast(self.resume.path)
             if self.rank == 0:
                 journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
                               slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
@@ -277,7 +272,7 @@ class Trainer:
             # a model-only checkpoint continues at its step: the schedule and the data position are functions of
             # the step (and of rollback.json's skipped batches); only the optimizer starts afresh
             path = ckpt_state.verified_model_dir(init_from)
-            self._load_and_broadcast(path, any_layout=True)
+            self._load_and_broadcast(path)
             self.restart_step = checkpoint_step(path)
             # the checkpoint's run may have skipped batches (spike rollbacks): continue its step -> batch map
             self.rollback.skips = sorted({*self.rollback.skips, *checkpoint_data_skips(path)})
@@ -304,15 +299,12 @@ class Trainer:
                               f"has {mine}", f"resume with train.param_dtype={_SHORT[saved]}, or start from its "
                               "weights with a fresh optimizer (model.init_from=ckpt:<a model-step-N checkpoint>)")
 
-    def _load_and_broadcast(self, path, any_layout: bool) -> None:
+    def _load_and_broadcast(self, path) -> None:
         """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights.
-        `any_layout`: a model-only checkpoint may come from a run with another parallel.pp; load_stage_model reads
-        stage-sharded and unpipelined files alike (the parameter names are the full model's in both)."""
+        A model-only checkpoint may come from a run with another parallel.pp: load_model reads stage-sharded and
+        unpipelined files alike (the parameter names are the full model's in both)."""
         if self.groups.dp_rank == 0:
-            if self.pipeline is not None or any_layout:
-                stage_ckpt.load_stage_model(path, self.scoords, self.model)
-            else:
-                ckpt_state.load_model(path, self.coords, self.model)
+            ckpt_state.load_model(path, self.coords, self.model)
         broadcast_model(self.model, self.groups)
 
     def _load_optimizer_and_rng(self, path) -> None:
@@ -321,10 +313,7 @@ class Trainer:
             # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
             # (init has its own generators), so the losses do not depend on them
             return
-        if self.pipeline is not None:
-            stage_ckpt.load_optimizer(path, self.scoords, self.optimizer)
-        else:
-            ckpt_state.load_optimizer(path, self.coords, self.optimizer)
+        ckpt_state.load_optimizer(path, self.coords, self.optimizer)
         ckpt_state.load_rng(path, self.coords, self.device)
 
     def _load_hf(self, path) -> None:
@@ -629,12 +618,9 @@ class Trainer:
         return None
 
     def _checkpoint_manager(self) -> CheckpointManager:
-        """Stage-sharded files under PP (trainer/pipeline/ckpt.py), trainer/checkpoint's layout otherwise; both are
-        written by the same asynchronous dual-slot protocol."""
-        if self.pipeline is not None:
-            files, writes = stage_ckpt.file_names(self.scoords), (lambda m: stage_ckpt.writes(self.scoords, m))
-        else:
-            files, writes = FileNames.of(self.coords), (lambda m: ckpt_layout.writes(self.coords, model_only=m))
+        """The dual slots and model checkpoints of this rank's files (trainer/checkpoint/layout.py), written
+        asynchronously."""
+        files, writes = FileNames.of(self.coords), (lambda m: ckpt_layout.writes(self.coords, model_only=m))
         newest = self.resume.path.name if self.resume.path is not None else None
         manager = CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
                                     asdict(self.cfg.model), self._kill_hook)

@@ -13,11 +13,12 @@ from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, referenc
 from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint import state as ckpt_state
+from moe_launch.trainer.checkpoint.layout import model_shard_writer
+from moe_launch.trainer.checkpoint.reshard import holder_of, shard_of
+from moe_launch.trainer.checkpoint.resume import load_optimizer_resharded, resume_mode
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.groups import coords_of
-from moe_launch.trainer.parallel.reshard import holder_of, model_shard_writer, shard_of
-from moe_launch.trainer.parallel.resume import load_optimizer_resharded, resume_mode
 
 STEPS, STOP_AT = 5, 3
 

@@ -160,7 +160,7 @@ def test_bf16_parameters_keep_fp32_master_weights():
 
 def test_load_state_dict_refuses_another_layout():
     from moe_launch.errors import CheckpointError
-    from moe_launch.trainer.parallel.reshard import reshard_optimizer_state
+    from moe_launch.trainer.checkpoint.reshard import reshard_optimizer_state
 
     groups = build_groups(ParallelConfig())
     opt = build_optimizer(ToyParams(), TRAIN, ParallelConfig(), groups)

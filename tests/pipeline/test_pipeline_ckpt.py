@@ -10,11 +10,13 @@ from pp_harness import spawn
 from pp_training import SEED, TRAIN, M, lr_at, micro_batches, model_cfg, reference_run
 
 from moe_launch.conf.schema import ParallelConfig
+from moe_launch.trainer.checkpoint import state as ckpt
+from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.store import read_manifest, verify
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
-from moe_launch.trainer.pipeline import build_pipeline, ckpt, pipeline_step
+from moe_launch.trainer.pipeline import build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline.stage import build_stage_model
 
 PCFG = ParallelConfig(dp=2, pp=2, pp_schedule="1f1b", microbatches=M, optimizer_sharding="zero1")
@@ -32,7 +34,7 @@ def _step(pipe, opt, groups, step: int) -> float:
 
 def _worker(rank: int, world: int, path: str) -> dict:
     groups = build_groups(PCFG)
-    coords = ckpt.StageCoords.of(groups, PCFG.optimizer_sharding, is_moe=True)
+    coords = Coords.of(groups, PCFG.optimizer_sharding, is_moe=True)
 
     def fresh(seed: int):
         torch.manual_seed(seed)
@@ -46,7 +48,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
     straight = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
 
     pipe, opt = fresh(SEED + 1)  # other weights: the load must replace all of them
-    ckpt.load_stage_model(path, coords, pipe.model)
+    ckpt.load_model(path, coords, pipe.model)
     ckpt.load_optimizer(path, coords, opt)
     resumed = (_step(pipe, opt, groups, 2), {n: p.detach().clone() for n, p in pipe.model.named_parameters()})
     return {"saved": saved, "straight": straight, "resumed": resumed, "losses": losses + [straight[0]],
@@ -69,10 +71,10 @@ def test_stage_checkpoint_resume_scatter_and_relayout(tmp_path):
     assert verify(path)[0]
     writers = {rel: info["rank"] for rel, info in read_manifest(path)["files"].items()}
     # rank = (pp * dp + dp_rank) * ep + ep_rank: stage 0 = ranks 0, 1 (dp 0, 1); stage 1 = ranks 2, 3
-    # shards m = 0 (pp0 dense), 1 (pp0 experts), 2 (pp1 dense), 3 (pp1 experts) go to dp rank m % 2
+    # shards m = 0 (pp0 experts), 1 (pp0 dense), 2 (pp1 experts), 3 (pp1 dense) go to dp rank m % 2
     assert {rel: w for rel, w in writers.items() if rel.startswith("model/")} == {
-        "model/pp0/dense.pt": 0, "model/pp0/experts-ep0.pt": 1, "model/pp1/dense.pt": 2,
-        "model/pp1/experts-ep0.pt": 3}
+        "model/pp0/experts-ep0.pt": 0, "model/pp0/dense.pt": 1, "model/pp1/experts-ep0.pt": 2,
+        "model/pp1/dense.pt": 3}
     assert {f"optim/rank{r}.pt" for r in range(4)} <= writers.keys() and writers["trainer.pt"] == 0
 
     # the PP=2 model-only files load into an unpipelined (one stage, one chunk) model
@@ -80,7 +82,7 @@ def test_stage_checkpoint_resume_scatter_and_relayout(tmp_path):
     torch.manual_seed(123)
     whole = build_stage_model(cfg, {0: range(cfg.n_layers)}, 1)
     groups = build_groups(ParallelConfig())
-    ckpt.load_stage_model(path, ckpt.StageCoords.of(groups, "none", is_moe=True), whole)
+    ckpt.load_model(path, Coords.of(groups, "none", is_moe=True), whole)
     saved = {**results[0]["saved"], **results[2]["saved"]}
     assert saved.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():

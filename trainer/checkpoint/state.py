@@ -5,7 +5,9 @@ Files and writers are defined in checkpoint/layout.py, the atomic write protocol
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -17,7 +19,7 @@ from moe_launch.errors import CheckpointError
 from moe_launch.kernels.adamw import join_master
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint.snapshot import HostSnapshot
-from moe_launch.trainer.checkpoint.store import load_file, verify, write_checkpoint
+from moe_launch.trainer.checkpoint.store import load_file, read_manifest, verify, write_checkpoint
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.parallel.optimizer import state_dict_from_views
 
@@ -123,13 +125,27 @@ def save_files(ckpt_dir: Path, step: int, rels: list[str], files: FileNames, mod
 
 
 def load_model(ckpt_dir: Path, c: layout.Coords, model: nn.Module) -> None:
+    """Load this rank's parameters (its stage's, its EP rank's experts). Reads its own files when they hold every
+    name (the same PP layout); otherwise every stage's files of its EP coordinate, so a checkpoint written under
+    another PP split (or unpipelined) loads too: the parameter names are the full model's in every layout."""
+    want = set(model.state_dict())
     sd: dict[str, torch.Tensor] = {}
     for rel in layout.model_files(c):
-        sd.update(load_file(ckpt_dir, rel))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{ckpt_dir}: model parameters do not match (missing {missing[:4]}, unexpected "
-                              f"{unexpected[:4]}); use the same model.* config as the run that wrote it")
+        if (Path(ckpt_dir) / rel).is_file():
+            sd.update(load_file(ckpt_dir, rel))
+    if not want <= set(sd):
+        manifest = read_manifest(Path(ckpt_dir)) or {"files": {}}
+        stages = sorted({int(m.group(1)) for rel in manifest["files"] if (m := re.match(r"model/pp(\d+)/", rel))})
+        saved = dataclasses.replace(c, pp_size=max(len(stages), 1))  # the saved run's stage naming
+        rels = [rel for p in (stages or [0]) for rel in layout.model_files(saved, p)]
+        sd = {}
+        for rel in rels:
+            sd.update({k: v for k, v in load_file(ckpt_dir, rel).items() if k in want})
+    missing = sorted(want - set(sd))
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: parameters {missing[:4]} of this rank are in no model file; use the "
+                              "same model.* config (and parallel.ep) as the run that wrote it")
+    model.load_state_dict({k: sd[k] for k in want}, strict=True)
 
 
 def load_optimizer(ckpt_dir: Path, c: layout.Coords, optimizer: Any) -> None:

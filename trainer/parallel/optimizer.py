@@ -181,7 +181,7 @@ class ShardedAdamW:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shards plus the layout needed to reassemble or reshard them (trainer/parallel/reshard.py)."""
+        """This rank's shards plus the layout needed to reassemble or reshard them (trainer/checkpoint/reshard.py)."""
         views = self.state_views()
         for v in views["buckets"].values():
             for k in ("param_shard", "exp_avg", "exp_avg_sq"):
@@ -206,7 +206,7 @@ class ShardedAdamW:
             if s["shard_count"] != b.shard_count or s["shard_index"] != b.shard_axis.rank:
                 raise CheckpointError(
                     f"bucket {b.name}: saved as shard {s['shard_index']}/{s['shard_count']}, this rank holds "
-                    f"{b.shard_axis.rank}/{b.shard_count}; resume through trainer/parallel/resume.py, which reshards"
+                    f"{b.shard_axis.rank}/{b.shard_count}; resume through trainer/checkpoint/resume.py, which reshards"
                 )
         for b in self.buckets:
             s = saved[b.name]

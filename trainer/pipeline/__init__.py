@@ -6,7 +6,7 @@
     stage.py     StageModel: the modules of one stage, named as in the full model
     p2p.py       one round of batched isend / irecv
     runtime.py   build_pipeline / pipeline_step: the entry points the trainer calls
-    ckpt.py      checkpoint files of stage shards (DP-scattered writes)
+(Checkpoint files name the stage: trainer/checkpoint/layout.py.)
 """
 
 from moe_launch.trainer.pipeline.runtime import Pipeline, build_pipeline, pipeline_step

@@ -1,8 +1,6 @@
-"""Checkpoint logic specific to parallelism: who writes which model shard (DP-scattered), which saved rank holds which
-optimizer shard, and loading optimizer shards saved under a different DP size (or another sharding strategy).
-
-The files themselves and their atomic writing belong to trainer/checkpoint (layout.py names them, store.py writes
-them). This module only needs a way to read the optimizer state dict saved by a given rank.
+"""Optimizer shards saved under one DP size (or sharding strategy) reassembled for another: which saved rank holds
+which shard, and the copy. It needs only a way to read the optimizer state dict a given saved rank wrote (resume.py
+passes one that reads the file layout.py names).
 
 Optimizer shards live in one coordinate system that does not depend on the layout: the unpadded flat index of a
 bucket (trainer/parallel/optimizer.py). A saved shard i of n covers [i*L, (i+1)*L) with L = ceil(numel / n), so any
@@ -43,12 +41,6 @@ def holder_of(strategy: str, expert: bool, shard: int, pp_rank: int, ep_rank: in
     if strategy == "zero1" or expert:
         return rank_of(pp_rank, shard, e, dp, ep)
     return rank_of(pp_rank, shard // ep, shard % ep, dp, ep)
-
-
-def model_shard_writer(m: int, dp: int) -> int:
-    """DP-scattered model checkpoints (Optimus): model-parallel shard m is written by DP index m mod DP, so the
-    writes of an EP (× PP) model spread over as many nodes as there are shards instead of all landing on dp 0."""
-    return m % dp
 
 
 def reshard_optimizer_state(opt: ShardedAdamW, saved_layout: dict[str, Any], read: Callable[[int], dict]) -> None:

@@ -1,11 +1,9 @@
-"""Resume the optimizer from a checkpoint of trainer/checkpoint written under another DP size or sharding strategy.
+"""Resume under another layout: which resume is possible, and the optimizer reassembled from the saved shards.
 
-`trainer/checkpoint/layout.py` names the optimizer file of each saved rank; `reshard.py` decides which saved ranks
-hold the pieces of this rank's shards. This is the adapter between the two: the trainer calls
-`load_optimizer_resharded(ckpt_dir, opt, saved_layout)` when the saved `layout` differs from the run's in `dp`
-(or `optimizer_sharding`) only. A pipelined checkpoint (saved pp > 1) names its files as trainer/pipeline/ckpt.py
-does (`optim/pp<p>-ep<e>.pt` for optimizer_sharding=none); the shards themselves are per stage, so resharding is
-within each stage (pp itself cannot change).
+`resume_mode(saved, now)` decides from the two layouts ({dp, ep, pp, optimizer_sharding}); for "reshard" (only dp or
+optimizer_sharding changed) the trainer calls `load_optimizer_resharded(ckpt_dir, opt, saved_layout)`, which reads
+only the saved optimizer files that overlap this rank's shards, named by layout.py for the saved rank's coordinates
+(reshard.py decides which saved ranks those are). The model files do not depend on dp, so they load as they are.
 """
 
 from __future__ import annotations
@@ -15,11 +13,10 @@ from typing import Any
 
 from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
+from moe_launch.trainer.checkpoint.reshard import reshard_optimizer_state
 from moe_launch.trainer.checkpoint.store import load_file
 from moe_launch.trainer.parallel.groups import coords_of
 from moe_launch.trainer.parallel.optimizer import ShardedAdamW
-from moe_launch.trainer.parallel.reshard import reshard_optimizer_state
-from moe_launch.trainer.pipeline import ckpt as stage_ckpt
 
 
 def resume_mode(saved_layout: dict[str, Any], layout_now: dict[str, Any]) -> str:
@@ -40,20 +37,17 @@ def resume_mode(saved_layout: dict[str, Any], layout_now: dict[str, Any]) -> str
 
 
 def saved_rank_coords(saved_rank: int, saved_layout: dict[str, Any], is_moe: bool = True) -> layout.Coords:
-    _, dp_rank, ep_rank = coords_of(saved_rank, saved_layout["dp"], saved_layout["ep"])
-    return layout.Coords(rank=saved_rank, dp_rank=dp_rank, ep_rank=ep_rank, ep_size=saved_layout["ep"],
-                         optimizer_sharding=saved_layout["optimizer_sharding"], is_moe=is_moe)
+    dp, ep, pp = saved_layout["dp"], saved_layout["ep"], saved_layout.get("pp", 1)
+    pp_rank, dp_rank, ep_rank = coords_of(saved_rank, dp, ep)
+    return layout.Coords(rank=saved_rank, dp_rank=dp_rank, ep_rank=ep_rank, ep_size=ep,
+                         optimizer_sharding=saved_layout["optimizer_sharding"], is_moe=is_moe, dp_size=dp,
+                         pp_rank=pp_rank, pp_size=pp)
 
 
 def saved_optimizer_file(saved_rank: int, saved_layout: dict[str, Any]) -> str:
-    """The optimizer file that `saved_rank` wrote under `saved_layout`, in the naming of the code that wrote it."""
-    if saved_layout.get("pp", 1) == 1:
-        return layout.optimizer_file(saved_rank_coords(saved_rank, saved_layout))
-    dp, ep = saved_layout["dp"], saved_layout["ep"]
-    pp_rank, dp_rank, ep_rank = coords_of(saved_rank, dp, ep)
-    return stage_ckpt.optimizer_file(stage_ckpt.StageCoords(
-        rank=saved_rank, pp_rank=pp_rank, dp_rank=dp_rank, dp_size=dp, ep_rank=ep_rank, ep_size=ep,
-        optimizer_sharding=saved_layout["optimizer_sharding"], is_moe=True))
+    """The optimizer file that holds `saved_rank`'s shards under `saved_layout` (optimizer_sharding=none: the file
+    its (stage, EP rank) shares with its DP replicas)."""
+    return layout.optimizer_file(saved_rank_coords(saved_rank, saved_layout))
 
 
 def load_optimizer_resharded(ckpt_dir: Path, opt: ShardedAdamW, saved_layout: dict[str, Any]) -> None:
