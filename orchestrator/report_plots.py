@@ -56,9 +56,19 @@ def _lines(ax, series: list[RunSeries], y_of: Callable[[RunSeries], np.ndarray],
             ax.plot(s.steps[ok], y[ok], marker="." if ok.sum() < 40 else None, label=s.label + suffix)
 
 
+def unflatten(ax) -> None:
+    """A constant series (a constant lr, a steady z-loss) gets a zero-based axis: matplotlib would otherwise zoom
+    into +-4% of the value and draw noise-free data as if it wobbled."""
+    ys = [y for line in ax.lines for y in np.asarray(line.get_ydata(), dtype=float) if np.isfinite(y)]
+    if ys and max(ys) == min(ys) and ax.get_yscale() == "linear":
+        v = ys[0]
+        ax.set_ylim(min(0.0, 1.25 * v), max(0.0, 1.25 * v) or 1.0)
+
+
 def _finish(fig, axes, path: Path) -> Path:
     for ax in axes:
         ax.grid(alpha=0.3)
+        unflatten(ax)
     if axes[0].get_legend_handles_labels()[0]:  # panels share runs and events: one legend, on the first
         axes[0].legend(fontsize=8, loc="best")
     axes[-1].set_xlabel("step")

@@ -185,6 +185,22 @@ def test_events_land_on_the_step_axis():
     assert events[0].what == "failure: n1: node_failure" and events[1].what == "node swap: n1 -> n5"
 
 
+def test_a_constant_series_gets_a_zero_based_axis():
+    from matplotlib.figure import Figure
+
+    from moe_launch.orchestrator.report_plots import unflatten
+
+    ax = Figure().add_subplot()
+    ax.plot([1, 2, 3], [0.011, 0.011, 0.011])
+    unflatten(ax)
+    assert ax.get_ylim() == (0.0, pytest.approx(0.01375))
+    ax2 = Figure().add_subplot()
+    ax2.plot([1, 2], [1.0, 2.0])
+    before = ax2.get_ylim()
+    unflatten(ax2)
+    assert ax2.get_ylim() == before  # a varying series keeps matplotlib's limits
+
+
 def test_legends_name_what_differs():
     def run(name, *overrides):
         return RunSeries(name=name, kind="moe", overrides=list(overrides))
