@@ -313,7 +313,7 @@ class Trainer:
             # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
             # (init has its own generators), so the losses do not depend on them
             return
-        ckpt_state.load_optimizer(path, self.coords, self.optimizer)
+        ckpt_state.load_optimizer(path, self.coords, self.optimizer, self.groups)  # replicated: read once per DP group
         ckpt_state.load_rng(path, self.coords, self.device)
 
     def _load_hf(self, path) -> None:

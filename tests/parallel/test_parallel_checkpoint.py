@@ -60,17 +60,22 @@ def _resume_worker(rank: int, world: int, tmp: str, strategy: str, dispatcher: s
         ckpt_state.load_model(ckpt, coords, model)
     broadcast_model(model, groups)
     opt.sync_master_from_params()
-    ckpt_state.load_optimizer(ckpt, coords, opt)
+    reads = ckpt_state.load_optimizer(ckpt, coords, opt, groups)
     rest, _ = parallel_steps(groups, model, opt, STOP_AT, STEPS - STOP_AT)
-    return {"straight": straight, "resumed": first + rest, "uninterrupted": uninterrupted, "final": _snapshot(model)}
+    return {"straight": straight, "resumed": first + rest, "uninterrupted": uninterrupted, "final": _snapshot(model),
+            "reads": reads, "dp_rank": groups.dp_rank, "ep_rank": groups.ep_rank, "rank": groups.world_rank}
 
 
-@pytest.mark.parametrize("strategy,dispatcher", [("epso", "alltoall"), ("zero1", "allgather")])
+@pytest.mark.parametrize("strategy,dispatcher", [("epso", "alltoall"), ("zero1", "allgather"), ("none", "alltoall")])
 def test_resume_at_dp2_ep2_is_bitwise_equal_to_not_stopping(rank_pool, tmp_path, strategy, dispatcher):
     for r in rank_pool.run(_resume_worker, 4, str(tmp_path), strategy, dispatcher):
         assert r["resumed"] == r["straight"]  # exact float equality of every step's loss
         for name, p in r["uninterrupted"].items():
             assert torch.equal(r["final"][name], p), name
+        if strategy == "none":  # the replicated file is read by one rank per DP group, the others get a broadcast
+            assert r["reads"] == ([f"optim/ep{r['ep_rank']}.pt"] if r["dp_rank"] == 0 else []), r
+        else:
+            assert r["reads"] == [f"optim/rank{r['rank']}.pt"], r
 
 
 def _save_worker(rank: int, world: int, tmp: str, strategy: str) -> None:

@@ -21,6 +21,8 @@ from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint.snapshot import HostSnapshot
 from moe_launch.trainer.checkpoint.store import load_file, read_manifest, verify, write_checkpoint
 from moe_launch.trainer.dist import Comm
+from moe_launch.trainer.parallel.comm import broadcast_
+from moe_launch.trainer.parallel.groups import Groups
 from moe_launch.trainer.parallel.optimizer import state_dict_from_views
 
 
@@ -148,8 +150,35 @@ def load_model(ckpt_dir: Path, c: layout.Coords, model: nn.Module) -> None:
     model.load_state_dict({k: sd[k] for k in want}, strict=True)
 
 
-def load_optimizer(ckpt_dir: Path, c: layout.Coords, optimizer: Any) -> None:
-    optimizer.load_state_dict(load_file(ckpt_dir, layout.optimizer_file(c)))
+def load_optimizer(ckpt_dir: Path, c: layout.Coords, optimizer: Any, groups: Optional[Groups] = None) -> list[str]:
+    """Load this rank's optimizer state; returns the files this rank read. With optimizer_sharding=none the file is
+    replicated over the DP group: given `groups`, only DP rank 0 reads it and broadcasts the state to the others
+    (collective over the DP group), so a replica group reads its file once."""
+    rel = layout.optimizer_file(c)
+    if c.optimizer_sharding != "none" or groups is None or groups.dp_size == 1:
+        optimizer.load_state_dict(load_file(ckpt_dir, rel))
+        return [rel]
+    read = []
+    if groups.dp_rank == 0:
+        optimizer.load_state_dict(load_file(ckpt_dir, rel))
+        read = [rel]
+    _broadcast_optimizer_state(optimizer, groups)
+    return read
+
+
+@torch.no_grad()
+def _broadcast_optimizer_state(optimizer: Any, groups: Groups) -> None:
+    """DP rank 0's replicated optimizer state to the rest of its DP group, in place (parameter shard, bf16
+    remainder, moments, step count)."""
+    step_1 = torch.tensor([optimizer.step_count], dtype=torch.int64, device=optimizer.buckets[0].exp_avg.device
+                          if optimizer.buckets else "cpu")
+    broadcast_(step_1, groups.dp, src_index=0)
+    optimizer.step_count = int(step_1.item())
+    for b in optimizer.buckets:
+        b.adopt_param_storage()
+        tensors = (b.param_shard, b.exp_avg, b.exp_avg_sq) + ((b.remainder,) if b.dtype == torch.bfloat16 else ())
+        for t in tensors:
+            broadcast_(t, groups.dp, src_index=0)
 
 
 def load_rng(ckpt_dir: Path, c: layout.Coords, device: torch.device) -> None:
