@@ -124,6 +124,17 @@ def load_per_step(records: list[dict[str, Any]]) -> tuple[np.ndarray, Optional[n
     return np.asarray(steps), np.stack(mats)
 
 
+def bin_steps(steps_S: np.ndarray, load_SLE: np.ndarray, max_bins: int = 300) -> tuple[np.ndarray, np.ndarray]:
+    """At most `max_bins` columns for the heatmap: consecutive logged steps averaged (a 100k-step run would
+    otherwise hold S x L x E floats and draw more columns than the figure has pixels)."""
+    S = len(steps_S)
+    if S <= max_bins:
+        return steps_S, load_SLE
+    edges = np.linspace(0, S, max_bins + 1).astype(int)
+    return (np.array([steps_S[a:b].mean() for a, b in zip(edges, edges[1:])]),
+            np.stack([load_SLE[a:b].mean(axis=0) for a, b in zip(edges, edges[1:])]))
+
+
 def load_matrix(records: list[dict[str, Any]]) -> Optional[np.ndarray]:
     """[L, E] mean over records of counts / mean count of that layer (1.0 = balanced); None if never logged."""
     _, load_SLE = load_per_step(records)
@@ -198,6 +209,8 @@ def read_run(run_dir: str | Path) -> RunSeries:
     all_records, journal = read_jsonl(rd.metrics), read_jsonl(rd.journal)
     records = last_per_step(all_records)
     load_steps, load_SLE = load_per_step(records)
+    if load_SLE is not None:
+        load_steps, load_SLE = bin_steps(load_steps, load_SLE)
     try:
         summary = json.loads(rd.summary.read_text())
     except (OSError, ValueError):

@@ -124,8 +124,10 @@ def expert_load_figure(series: list[RunSeries], path: Path, max_layers: int = 16
     vmax = max(float(s.load_SLE.max()) for s, _ in panels)
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(vmax, 1.01))
     for ax, (s, layer) in zip(axes, panels):
-        steps = s.load_steps
-        edges = np.concatenate([steps - 0.5, [steps[-1] + 0.5]])
+        steps = s.load_steps  # logged steps, or bin centres (report.bin_steps): cells span to the midpoints
+        mids = (steps[1:] + steps[:-1]) / 2 if len(steps) > 1 else np.zeros(0)
+        half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5
+        edges = np.concatenate([[steps[0] - half], mids, [steps[-1] + (steps[-1] - mids[-1] if len(mids) else 0.5)]])
         E = s.load_SLE.shape[2]
         im = ax.pcolormesh(edges, np.arange(E + 1) - 0.5, s.load_SLE[:, layer, :].T, cmap="RdBu_r", norm=norm,
                            shading="flat")

@@ -185,6 +185,19 @@ def test_events_land_on_the_step_axis():
     assert events[0].what == "failure: n1: node_failure" and events[1].what == "node swap: n1 -> n5"
 
 
+def test_heatmap_columns_are_binned_for_long_runs():
+    from moe_launch.orchestrator.report import bin_steps
+
+    steps = np.arange(1, 1001, dtype=float)
+    load = np.ones((1000, 2, 4))
+    load[:500, 0, 0] = 3.0
+    s2, l2 = bin_steps(steps, load, max_bins=10)
+    assert s2.shape == (10,) and l2.shape == (10, 2, 4)
+    assert s2[0] == pytest.approx(50.5) and l2[0, 0, 0] == 3.0 and l2[-1, 0, 0] == 1.0
+    same_s, same_l = bin_steps(steps[:5], load[:5])
+    assert np.array_equal(same_s, steps[:5]) and same_l.shape == (5, 2, 4)  # short runs keep every step
+
+
 def test_a_constant_series_gets_a_zero_based_axis():
     from matplotlib.figure import Figure
 
