@@ -197,9 +197,8 @@ def _step_exited(state: SupervisorState, ev: StepExited) -> Action:
                       reason=f"trainer exit {ev.code}: no usable checkpoint ({ev.detail}); see logs/")
     if ev.code == EXIT_CHECKPOINT_WRITE:
         return Action(kind="stop", status="failed",
-                      reason=f"checkpoint storage failed: {ev.detail or 'see logs/'}. Free space or fix the file "
-                             f"system, then run moe-launch again with the same run.name to resume from the newest "
-                             f"valid checkpoint")
+                      reason=f"checkpoint storage failed: {ev.detail or 'see logs/'}; once it is fixed, "
+                             f"moe-launch with the same run.name resumes from the newest valid checkpoint")
     failure = (ev.code, ev.step)
     if state.last_failure == failure:
         return Action(kind="stop", status="failed", failure=failure,

@@ -33,6 +33,10 @@ _CONTROLLER_DOWN = (
     "Unable to contact slurm controller", "Socket timed out on send/recv", "Zero Bytes were transmitted or received",
     "slurmctld not responding", "Transport endpoint is not connected", "Connection refused",
 )
+# step creation refused while an earlier step of the job still holds the resources (it is being cancelled, or its
+# cancel waits for the controller): the step is started again, like after a controller error
+_STEP_BUSY = ("Memory required by task is not available", "Requested nodes are busy",
+              "Job step creation temporarily disabled")
 _BACKOFF_MAX_S = 15.0
 _EXIT_CODE = re.compile(r"Exited with exit code (\d+)")
 _PROBE_TIMEOUT_S = 4.0  # a live slurmd starts a probe step in well under a second; a dead one never does
@@ -223,6 +227,7 @@ class SlurmStep:
                  cluster: ClusterConfig, log_dir: Path, grace_s: float):
         self.job_id, self.nodes, self.attempt, self.grace_s = job_id, nodes, attempt, grace_s
         self.name = f"moe-attempt-{attempt}"
+        self.retry_s = cluster.controller_retry_s
         self.retry_delays = backoff_delays(cluster.controller_retry_s)
         self.respawn_at: Optional[float] = None
         srun = ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}",
@@ -289,8 +294,8 @@ class SlurmStep:
             self._reader.join(timeout=2.0)
         self._consume()
         if rc is not None and self._controller_refused() and self.retry_delays and not self.killed:
-            self.log.write(f"{time.strftime('%H:%M:%S')} moe-launch: controller unreachable, srun again in "
-                           f"{self.retry_delays[0]:.0f} s\n".encode())
+            self.log.write(f"{time.strftime('%H:%M:%S')} moe-launch: controller unreachable or step refused for "
+                           f"now, srun again in {self.retry_delays[0]:.0f} s\n".encode())
             self.respawn_at = time.monotonic() + self.retry_delays.pop(0)
             return None
         missing = tuple(n for n in self.nodes if n not in self.reported)
@@ -314,8 +319,11 @@ class SlurmStep:
         return self._result(rc, ())
 
     def _controller_refused(self) -> bool:
-        """srun ended without any task reporting, saying the controller could not be reached: the step never ran."""
-        return not self.reported and not self.dead and is_controller_error("\n".join(self.lines))
+        """srun ended without any task reporting, saying the controller could not be reached or the job's resources
+        are still held by an earlier step: the step never ran."""
+        text = "\n".join(self.lines)
+        return (not self.reported and not self.dead
+                and (is_controller_error(text) or any(marker in text for marker in _STEP_BUSY)))
 
     def _kill_with(self, result: StepResult) -> StepResult:
         self.kill()
@@ -347,8 +355,8 @@ class SlurmStep:
         failed = tuple(n for n, w in self.reported.items() if w not in ("0",) and n not in dead)
         return StepResult(code=code, dead_nodes=tuple(dead), failed_nodes=failed, detail="; ".join(detail))
 
-    def _step_id(self) -> Optional[str]:
-        out = _run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False).stdout
+    def _step_id(self, retry_s: float = 0.0) -> Optional[str]:
+        out = _run(["squeue", "-h", "-s", "-j", self.job_id, "-o", "%i %j"], check=False, retry_s=retry_s).stdout
         for line in out.splitlines():
             sid, _, name = line.partition(" ")
             if name.strip() == self.name:
@@ -375,10 +383,12 @@ class SlurmStep:
 
     def _cancel_step(self) -> None:
         try:
-            sid = self._step_id()
+            # with retries: tasks left on live nodes hold the job's memory until the step is cancelled, and a
+            # relaunch's step cannot start before
+            sid = self._step_id(self.retry_s)
             if sid:
-                _run(["scancel", "--signal=KILL", sid], check=False)
-                _run(["scancel", sid], check=False)
+                _run(["scancel", "--signal=KILL", sid], check=False, retry_s=self.retry_s)
+                _run(["scancel", sid], check=False, retry_s=self.retry_s)
         except SubmissionError:
             pass  # the allocation's end reaps whatever is left
 

@@ -250,9 +250,9 @@ class Supervisor:
                 # the trainer prints why it refuses (bad config or data, no usable checkpoint) as its last line
                 said = (trainer_message(self.rd.logs / f"attempt{step.attempt}")
                         if result.code in (EXIT_CONFIG, EXIT_CHECKPOINT) else "")
-                if result.code == EXIT_CHECKPOINT_WRITE:
-                    said = _storage_error(read_jsonl(self.rd.journal)) or said
                 detail = f"{result.detail}; the trainer said: {said}" if said else result.detail
+                if result.code == EXIT_CHECKPOINT_WRITE:  # the cause and the path are all a reader needs
+                    detail = _storage_error(read_jsonl(self.rd.journal)) or detail
                 events.append(StepExited(attempt=step.attempt, code=result.code, dead_nodes=result.dead_nodes,
                                          failed_nodes=result.failed_nodes, step=self.watcher.step, detail=detail))
         lost = {n: s for n, s in self.scheduler.unavailable.items() if n not in self.lost_seen}

@@ -81,7 +81,8 @@ def test_controller_outage_during_a_relaunch_is_waited_out(reference, tmp_path):
         start_controller()
     assert code == 0, summary
     relaunch_log = (rd / "logs" / "attempt1" / "srun.log").read_text(errors="replace")
-    assert "controller unreachable, srun again" in relaunch_log  # the outage really hit the relaunch
+    # the outage really hit the relaunch
+    assert "controller unreachable or step refused for now, srun again" in relaunch_log
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[(victim, launch["details"]["action"]
                                                                            ["buffers"][0])])
     report("controller outage", t_fault, records, " (slurmctld down for 20 s from the kill)")
