@@ -92,3 +92,19 @@ def test_run_without_checkpoints_is_refused(tmp_path, trained_run):
     proc = _export(run, tmp_path / "hf")
     assert proc.returncode == 2 and "no valid checkpoint" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_tokenizer_with_its_own_bos_keeps_it(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from moe_launch.trainer.interop.run_export import _write_tokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world"] * 10, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                                      show_progress=False))
+    tok.save(str(tmp_path / "tok.json"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert _write_tokenizer(out, tmp_path / "tok.json", "</s>", 64) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
+    assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<s>"

@@ -23,6 +23,7 @@ from moe_launch.errors import CheckpointError, ConfigError
 from moe_launch.trainer.checkpoint.store import read_manifest, verify
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
 
 def newest_valid_checkpoint(ckpt_root: Path) -> tuple[Path, dict[str, str]]:
@@ -64,17 +65,18 @@ def run_tokenizer(cfg: RootConfig) -> tuple[Path, str]:
     return path, load_tokenizer(path).id_to_token(eos)
 
 
-def _write_tokenizer(out: Path, tokenizer_json: Path, eos_text: str, max_len: int) -> int:
-    """tokenizer.json + tokenizer_config.json; returns the EOS id. The built-in BPE has no separate BOS: as in
-    GPT-2, the end-of-text token also opens a sequence."""
+def _write_tokenizer(out: Path, tokenizer_json: Path, eos_text: str, max_len: int) -> tuple[int, int]:
+    """tokenizer.json + tokenizer_config.json; returns the (BOS, EOS) ids. A tokenizer without a BOS token of its
+    own (the built-in BPE, GPT-2's) opens sequences with its end-of-text token."""
     from moe_launch.trainer.data.tokenizer import load_tokenizer
 
     shutil.copyfile(tokenizer_json, out / "tokenizer.json")
-    eos = load_tokenizer(tokenizer_json).token_to_id(eos_text)
+    tok = load_tokenizer(tokenizer_json)
+    bos_text = next((t for t in _BOS_CANDIDATES if tok.token_to_id(t) is not None), eos_text)
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos_text, "eos_token": eos_text,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos_text, "eos_token": eos_text,
         "model_max_length": max_len, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
-    return eos
+    return tok.token_to_id(bos_text), tok.token_to_id(eos_text)
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, checkpoint: Optional[str] = None,
@@ -99,12 +101,12 @@ def export_run(run_dir: str | Path, out_dir: str | Path, checkpoint: Optional[st
     state, model_cfg = full_state_from_checkpoint(ckpt)
     tok_json, eos_text = run_tokenizer(cfg)  # before writing anything: a run without its tokenizer is refused whole
     export_hf(state, model_cfg or cfg.model, out, dtype=DTYPES.get(dtype) if dtype else None)
-    eos = _write_tokenizer(out, tok_json, eos_text, (model_cfg or cfg.model).max_seq_len)
+    bos, eos = _write_tokenizer(out, tok_json, eos_text, (model_cfg or cfg.model).max_seq_len)
     config = json.loads((out / "config.json").read_text())
-    config.update(bos_token_id=eos, eos_token_id=eos)
+    config.update(bos_token_id=bos, eos_token_id=eos)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}, indent=2) + "\n")
+        {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos}, indent=2) + "\n")
     (out / "moe_launch_source.json").write_text(json.dumps(
         {"run": str(run_dir.resolve()), "checkpoint": ckpt.name, "step": read_manifest(ckpt)["step"]}, indent=2) + "\n")
     for f in out.iterdir():
