@@ -44,6 +44,7 @@ from moe_launch.rundir import (
 )
 from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import layout as ckpt_layout
+from moe_launch.trainer.checkpoint import relayout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
 from moe_launch.trainer.checkpoint.manager import CheckpointManager
@@ -263,7 +264,7 @@ class Trainer:
                               slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
                               rejected=self.resume.rejected, attempt=self.attempt,
                               from_memory=is_held(self.resume.path),
-                              resharded=self.resume_mode == "reshard")
+                              resharded=self.resume_mode != "same")
             return int(saved["step"])
         init_from = self.cfg.model.init_from
         if self.rollback.pending is not None:
@@ -304,12 +305,18 @@ class Trainer:
         A model-only checkpoint may come from a run with another parallel.pp: load_model reads stage-sharded and
         unpipelined files alike (the parameter names are the full model's in both)."""
         if self.groups.dp_rank == 0:
-            ckpt_state.load_model(path, self.coords, self.model)
+            if self.resume_mode == "relayout":  # another EP size or PP split: reassembled by parameter name
+                relayout.load_model(path, self.model, self.groups.ep_rank, self.groups.ep_size)
+            else:
+                ckpt_state.load_model(path, self.coords, self.model)
         broadcast_model(self.model, self.groups)
 
     def _load_optimizer_and_rng(self, path) -> None:
-        if self.resume_mode == "reshard":
-            load_optimizer_resharded(path, self.optimizer, self.saved_layout)
+        if self.resume_mode in ("reshard", "relayout"):
+            if self.resume_mode == "reshard":
+                load_optimizer_resharded(path, self.optimizer, self.saved_layout)
+            else:
+                relayout.load_optimizer(path, self.optimizer, self.saved_layout)
             # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
             # (init has its own generators), so the losses do not depend on them
             return

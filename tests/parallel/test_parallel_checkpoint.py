@@ -10,8 +10,7 @@ import pytest
 import torch
 from par_training import MICRO_BATCHES, parallel_setup, parallel_steps, reference_run
 
-from moe_launch.errors import CheckpointError
-from moe_launch.trainer.checkpoint import layout
+from moe_launch.trainer.checkpoint import layout, relayout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import model_shard_writer
 from moe_launch.trainer.checkpoint.reshard import holder_of, shard_of
@@ -133,9 +132,52 @@ def test_shard_bookkeeping_is_consistent():
     assert [model_shard_writer(m, 4) for m in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
-def test_resume_mode_allows_only_dp_and_sharding_changes():
+def test_resume_mode_of_each_layout_change():
     saved = {"dp": 2, "ep": 2, "pp": 1, "optimizer_sharding": "epso"}
     assert resume_mode(saved, dict(saved)) == "same"
     assert resume_mode(saved, {**saved, "dp": 4, "optimizer_sharding": "zero1"}) == "reshard"
-    with pytest.raises(CheckpointError, match="parallel.ep"):
-        resume_mode(saved, {**saved, "ep": 4})
+    assert resume_mode(saved, {**saved, "ep": 4}) == resume_mode(saved, {**saved, "pp": 2}) == "relayout"
+
+
+def _opt_tensors(opt) -> dict[str, torch.Tensor]:
+    return {f"{b}.{k}": v for b, s in opt.state_dict()["buckets"].items() for k, v in s.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def _relayout_worker(rank: int, world: int, tmp: str, dp: int, ep: int, strategy: str, src: str, dst: str) -> dict:
+    """Load `src` (written under another layout) at (dp, ep), save it as `dst` under this layout; `src` None: train
+    STOP_AT steps from the start instead."""
+    groups, model, opt = parallel_setup(dp, ep, strategy, "allgather")
+    if src:
+        ckpt = Path(tmp) / src
+        saved_layout = ckpt_state.load_trainer_state(ckpt)["layout"]
+        assert resume_mode(saved_layout, {"dp": dp, "ep": ep, "pp": 1, "optimizer_sharding": strategy}) == "relayout"
+        relayout.load_model(ckpt, model, groups.ep_rank, groups.ep_size)
+        opt.sync_master_from_params()
+        relayout.load_optimizer(ckpt, opt, saved_layout)
+    else:
+        parallel_steps(groups, model, opt, 0, STOP_AT)
+    _save(Path(tmp) / dst, groups, model, opt, strategy)
+    return {"params": _snapshot(model), "opt": _opt_tensors(opt), "step": opt.step_count, "ep_rank": groups.ep_rank}
+
+
+@pytest.mark.parametrize("strategy", ["none", "zero1"])
+def test_ep2_checkpoint_resumes_at_ep1_and_back_bitwise(rank_pool, tmp_path, strategy):
+    """EP=2 -> EP=1 -> EP=2: the EP=1 model is the EP=2 ranks' experts concatenated, and the state that comes back at
+    EP=2 (model and every optimizer tensor of every rank) equals the original bitwise."""
+    original = sorted(rank_pool.run(_relayout_worker, 2, str(tmp_path), 1, 2, strategy, "", "ep2"),
+                      key=lambda r: r["ep_rank"])
+    (single,) = rank_pool.run(_relayout_worker, 1, str(tmp_path), 1, 1, strategy, "ep2", "ep1")
+    back = sorted(rank_pool.run(_relayout_worker, 2, str(tmp_path), 1, 2, strategy, "ep1", "ep2-again"),
+                  key=lambda r: r["ep_rank"])
+    for name, p in single["params"].items():
+        parts = [r["params"][name] for r in original]
+        assert torch.equal(p, parts[0] if parts[0].shape == p.shape else torch.cat(parts)), name
+    assert single["step"] == original[0]["step"] == STOP_AT
+    for before, after in zip(original, back):
+        assert after["step"] == before["step"]
+        for name, p in before["params"].items():
+            assert torch.equal(after["params"][name], p), name
+        assert before["opt"].keys() == after["opt"].keys()
+        for key, t in before["opt"].items():
+            assert torch.equal(after["opt"][key], t), key

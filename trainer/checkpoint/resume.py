@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moe_launch.errors import CheckpointError
 from moe_launch.trainer.checkpoint import layout
 from moe_launch.trainer.checkpoint.reshard import reshard_optimizer_state
 from moe_launch.trainer.checkpoint.store import load_file
@@ -20,19 +19,14 @@ from moe_launch.trainer.parallel.optimizer import ShardedAdamW
 
 
 def resume_mode(saved_layout: dict[str, Any], layout_now: dict[str, Any]) -> str:
-    """'same' (load each rank's own files), 'reshard' (only dp / optimizer_sharding changed: load the optimizer with
-    `load_optimizer_resharded`; the model files do not depend on dp). Anything else raises CheckpointError."""
+    """'same' (load each rank's own files); 'reshard' (only dp / optimizer_sharding changed: the model files load as
+    they are, the optimizer through `load_optimizer_resharded`); 'relayout' (ep or pp changed: model and optimizer
+    reassembled by parameter name, relayout.py)."""
     keys = ("dp", "ep", "pp", "optimizer_sharding")
     if all(saved_layout.get(k, 1) == layout_now.get(k, 1) for k in keys):
         return "same"
-    fixed = [k for k in ("ep", "pp") if saved_layout.get(k, 1) != layout_now.get(k, 1)]
-    if fixed:
-        raise CheckpointError(
-            f"the checkpoint was written with {', '.join(f'{k}={saved_layout.get(k, 1)}' for k in fixed)}, this run "
-            f"has {', '.join(f'{k}={layout_now.get(k, 1)}' for k in fixed)}: only parallel.dp and "
-            "parallel.optimizer_sharding may change on resume; restore parallel.ep / parallel.pp or start from a "
-            "model-only checkpoint (model.init_from=ckpt:...)"
-        )
+    if any(saved_layout.get(k, 1) != layout_now.get(k, 1) for k in ("ep", "pp")):
+        return "relayout"
     return "reshard"
 
 
