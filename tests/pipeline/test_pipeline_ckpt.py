@@ -87,3 +87,58 @@ def test_stage_checkpoint_resume_scatter_and_relayout(tmp_path):
     assert saved.keys() == dict(whole.named_parameters()).keys()
     for name, p in whole.named_parameters():
         assert torch.equal(p, saved[name]), name
+
+
+def _relayout_worker(rank: int, world: int, tmp: str, pp: int, src: str, dst: str) -> dict:
+    """At (dp=1, pp): train two steps (`src` empty) or load `src`, written under another PP split; save as `dst`."""
+    from pathlib import Path
+
+    from moe_launch.trainer.checkpoint import relayout
+    from moe_launch.trainer.checkpoint.resume import resume_mode
+
+    pcfg = ParallelConfig(pp=pp, pp_schedule="1f1b", microbatches=M * 2, optimizer_sharding="none")
+    groups = build_groups(pcfg)
+    torch.manual_seed(SEED)
+    if pp > 1:
+        pipe = build_pipeline(model_cfg(), pcfg, groups)
+        model = pipe.model
+    else:
+        cfg = model_cfg()
+        model = build_stage_model(cfg, {0: range(cfg.n_layers)}, 1)
+    opt = build_optimizer(model, TRAIN, pcfg, groups)
+    if src:
+        saved_layout = ckpt.load_trainer_state(Path(tmp) / src)["layout"]
+        assert resume_mode(saved_layout, {"dp": 1, "ep": 1, "pp": pp, "optimizer_sharding": "none"}) == "relayout"
+        relayout.load_model(Path(tmp) / src, model, 0, 1)
+        opt.sync_master_from_params()
+        relayout.load_optimizer(Path(tmp) / src, opt, saved_layout)
+    else:
+        for step in range(2):
+            pipeline_step(pipe, micro_batches(step, 1)[: M * 2])
+            opt.reduce_grads()
+            opt.step(lr_at(step))
+            opt.zero_grad()
+    layout = {"dp": 1, "ep": 1, "pp": pp, "optimizer_sharding": "none"}
+    ckpt.save(Path(tmp) / dst, 2, Coords.of(groups, "none", is_moe=True), model, opt, {"layout": layout}, Comm(),
+              torch.device("cpu"))
+    sd = opt.state_dict()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "step": opt.step_count,
+            "opt": {f"{b}.{k}": v for b, s in sd["buckets"].items() for k, v in s.items() if torch.is_tensor(v)}}
+
+
+def test_pp2_checkpoint_resumes_at_pp1_and_back_bitwise(tmp_path):
+    """PP=2 -> PP=1 -> PP=2: the PP=1 model holds both stages' parameters, and what comes back at PP=2 (parameters
+    and every optimizer tensor of both stages) equals the original bitwise."""
+    original = spawn(_relayout_worker, 2, str(tmp_path), 2, "", "pp2")
+    (whole,) = spawn(_relayout_worker, 1, str(tmp_path), 1, "pp2", "pp1")
+    back = spawn(_relayout_worker, 2, str(tmp_path), 2, "pp1", "pp2-again")
+    stages = {**original[0]["params"], **original[1]["params"]}
+    assert whole["params"].keys() == stages.keys() and whole["step"] == 2
+    for name, p in whole["params"].items():
+        assert torch.equal(p, stages[name]), name
+    for before, after in zip(original, back):
+        assert after["step"] == before["step"] == 2 and before["opt"].keys() == after["opt"].keys()
+        for name, p in before["params"].items():
+            assert torch.equal(after["params"][name], p), name
+        for key, t in before["opt"].items():
+            assert torch.equal(after["opt"][key], t), key
