@@ -1,27 +1,30 @@
-"""Running health tasks on nodes: the only module that starts processes.
+"""Running health tasks on nodes, through the orchestrator's launchers.
 
 cluster.kind == "slurm": `srun` with --nodelist (a step of the current allocation when SLURM_JOB_ID is set, else a
   short allocation of its own; `--immediate` so a down or busy node fails fast instead of pending forever).
-cluster.kind == "local": nodes are names (local1..localN); each node's tasks are subprocesses of this machine with
-  MOE_LAUNCH_NODE=<name>, so `rundir.node_name()` reports the node, as it would on a cluster.
+cluster.kind == "local": nodes are names (local1..localN); their tasks are started by the local cluster's launcher
+  (orchestrator/local_cluster.LocalStep, the one that runs the trainer): MOE_LAUNCH_NODE=<name>, rank environment,
+  kill-on-bad-exit. Nodes that share a GPU run their per-node checks one after another (local_gpus.py).
 
-Argument lists are built by pure functions (`srun_argv`, `rank_env`) and unit-tested; `run_per_node` and
-`run_ranks` are the thin side-effecting wrappers.
+The srun prefix is built by a pure function (`srun_argv`) and unit-tested; `run_per_node` and `run_ranks` are the thin
+side-effecting wrappers.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from moe_launch.conf.schema import ClusterConfig
-from moe_launch.orchestrator.backend import free_port
+from moe_launch.orchestrator.backend import Step, free_port
 from moe_launch.orchestrator.local_gpus import preflight_waves, visible_gpus
 
 
@@ -70,14 +73,6 @@ def srun_argv(cluster: ClusterConfig, nodes: list[str], tasks_per_node: int, tim
     if cluster.gpus_per_node:
         argv.append(f"--gpus-per-node={cluster.gpus_per_node}")
     return argv
-
-
-def rank_env(node: str, rank: int, local_rank: int, world: int, master_addr: str, master_port: int) -> dict[str, str]:
-    """Pure: the environment of one local-kind rank."""
-    return {
-        "MOE_LAUNCH_NODE": node, "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port), "OMP_NUM_THREADS": "1",
-    }
 
 
 class _Task:
@@ -142,11 +137,12 @@ def run_per_node(nodes: list[str], argv: list[str], cluster: ClusterConfig, time
     # local "nodes" share this machine's GPUs: nodes that share one are checked one after another
     out: dict[str, TaskOutcome] = {}
     for wave in preflight_waves(nodes, visible_gpus(), cluster.tasks_per_node):
-        procs = {}
+        steps = {}
         for node, devices in wave.items():
             gpu_env = {"CUDA_VISIBLE_DEVICES": devices} if devices else {}
-            procs[node] = _start(argv, {**env, **gpu_env, "MOE_LAUNCH_NODE": node, "OMP_NUM_THREADS": "1"})
-        out.update(_collect(procs, timeout_s))
+            steps[node] = _local_step((node,), 1, argv, {**env, **gpu_env})
+        deadline = time.monotonic() + timeout_s
+        out.update({node: _finish_local(node, *started, deadline) for node, started in steps.items()})
     return out
 
 
@@ -160,30 +156,30 @@ def run_ranks(nodes: list[str], tasks_per_node: int, argv: list[str], cluster: C
         prefix = srun_argv(cluster, nodes, tasks_per_node, timeout_s, in_allocation())
         env.update(MASTER_ADDR=nodes[0], MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         return _collect({name: _start(prefix + argv, env)}, timeout_s)[name]
-    world = len(nodes) * tasks_per_node
-    procs: dict[str, _Task] = {}
-    for i, node in enumerate(nodes):
-        for local in range(tasks_per_node):
-            rank = i * tasks_per_node + local
-            procs[f"{node}/{rank}"] = _start(argv, {**env, **rank_env(node, rank, local, world, "127.0.0.1", port)})
-    outcomes = _collect_gang(procs, timeout_s)
-    failed = [o for o in outcomes.values() if not o.ok]
-    worst = failed[0] if failed else next(iter(outcomes.values()))
-    return TaskOutcome(name, worst.returncode, "".join(o.stdout for o in outcomes.values()),
-                       "".join(o.stderr for o in outcomes.values()), any(o.timed_out for o in outcomes.values()))
+    step, logs = _local_step(tuple(nodes), tasks_per_node, argv, {**env, "MASTER_PORT": str(port)})
+    return _finish_local(name, step, logs, time.monotonic() + timeout_s)
 
 
-def _collect_gang(tasks: dict[str, _Task], timeout_s: float) -> dict[str, TaskOutcome]:
-    """Like srun --kill-on-bad-exit: when one rank fails, the others (waiting on it in a collective) are stopped."""
-    deadline = time.monotonic() + timeout_s
-    timed_out = False
-    while any(t.poll() is None for t in tasks.values()):
-        bad_exit = any(t.poll() not in (None, 0) for t in tasks.values())
-        timed_out = time.monotonic() > deadline
-        if bad_exit or timed_out:
-            for t in tasks.values():
-                if t.poll() is None:
-                    _stop(t)
-            break
+def _local_step(nodes: tuple[str, ...], tasks_per_node: int, argv: list[str], env: dict[str, str]) -> tuple[Step, Path]:
+    """Start the ranks with the local cluster's launcher; their output goes to a temporary log directory."""
+    from moe_launch.orchestrator.local_cluster import LocalStep
+
+    logs = Path(tempfile.mkdtemp(prefix="moe-health-"))
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    return LocalStep(nodes, 0, argv, env, tasks_per_node, logs), logs
+
+
+def _finish_local(name: str, step: Step, logs: Path, deadline: float) -> TaskOutcome:
+    """Wait for the step (a bad exit ends the other ranks, like srun --kill-on-bad-exit), or end it at the deadline."""
+    result = step.poll()
+    while result is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    return {name: t.outcome(name, timed_out and t.proc.returncode != 0) for name, t in tasks.items()}
+        result = step.poll()
+    timed_out = result is None
+    if timed_out:
+        step.kill()
+        step.wait(10.0)
+        result = step.poll()
+    text = "".join(p.read_text(errors="replace") for p in sorted(logs.glob("*.log")))
+    shutil.rmtree(logs, ignore_errors=True)
+    return TaskOutcome(name, result.code if result is not None else -9, text, "", timed_out)

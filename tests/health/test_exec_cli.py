@@ -1,4 +1,4 @@
-"""srun argument building, local rank environments, CLI config loading, release."""
+"""srun argument building, local ranks through the local launcher, CLI config loading, release."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from moe_launch.conf.schema import ClusterConfig
 from moe_launch.errors import ConfigError
 from moe_launch.health.cli import expand_nodes, load_configs
 from moe_launch.health.cli import main as health_cli
-from moe_launch.health.exec import rank_env, run_per_node, srun_argv
+from moe_launch.health.exec import run_per_node, run_ranks, srun_argv
 
 
 def test_srun_argv_outside_and_inside_an_allocation():
@@ -23,10 +23,18 @@ def test_srun_argv_outside_and_inside_an_allocation():
     assert "--overlap" in inside and not any(a.startswith(("--immediate", "--partition", "--time")) for a in inside)
 
 
-def test_rank_env():
-    env = rank_env("local2", rank=3, local_rank=1, world=4, master_addr="127.0.0.1", master_port=29555)
-    assert env["MOE_LAUNCH_NODE"] == "local2" and env["RANK"] == "3" and env["LOCAL_RANK"] == "1"
-    assert env["WORLD_SIZE"] == "4" and env["MASTER_PORT"] == "29555"
+def test_local_ranks_get_their_environment_from_the_local_launcher():
+    c = ClusterConfig(kind="local")
+    code = ("import os; print(' '.join(os.environ[k] for k in ('MOE_LAUNCH_NODE', 'RANK', 'LOCAL_RANK', 'WORLD_SIZE',"
+            " 'MASTER_ADDR')))")
+    out = run_ranks(["local1", "local2"], 2, [c.python or "python3", "-c", code], c, timeout_s=60)
+    assert out.ok, out.stdout
+    assert sorted(out.stdout.split("\n")[:-1]) == ["local1 0 0 4 127.0.0.1", "local1 1 1 4 127.0.0.1",
+                                                    "local2 2 0 4 127.0.0.1", "local2 3 1 4 127.0.0.1"]
+    bad = run_ranks(["local1", "local2"], 1, [c.python or "python3", "-c",
+                                              "import os, sys, time; os.environ['RANK'] == '1' and sys.exit(3); "
+                                              "time.sleep(60)"], c, timeout_s=60)
+    assert bad.returncode == 3 and not bad.timed_out  # one bad exit ends the gang, like srun --kill-on-bad-exit
 
 
 def test_local_tasks_see_their_node_name():
