@@ -4,7 +4,8 @@ A launched rank first looks for a warm standby of its node and local rank and ha
 (trainer/standby.py); `--standby` starts such a process.
 
 Exit codes (moe_launch.rundir): 0 done, 2 bad config or data, 3 NaN/Inf on a rank (fault record written),
-4 preempted by SIGUSR2/SIGTERM after a clean checkpoint, 5 unusable checkpoint; anything else is a crash.
+4 preempted by SIGUSR2/SIGTERM after a clean checkpoint, 5 unusable checkpoint, 6 / 7 spike (rollback / none
+possible), 8 checkpoints kept failing to persist (storage); anything else is a crash.
 """
 
 from __future__ import annotations
