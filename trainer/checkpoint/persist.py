@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -128,11 +129,19 @@ class AsyncCheckpointer:
             result = PersistResult(step=step, dirs=[str(t.final_dir) for t in targets], ok=True, stall_s=stall_s,
                                    durable_s=0.0, bytes=0, waited_s=waited_s)
             for t in targets:
-                files = {rel: (lambda build=build: build(host)) for rel, build in t.files.items()}
-                try:
-                    write_checkpoint(t.final_dir, step, files, self.comm, meta=t.meta, after_shards=t.after_shards)
-                except CheckpointWriteError as e:
-                    result.ok, result.error, result.error_path = False, e.error, e.path
+                # a builder thread prepares the files in write order (the optimizer's masters are joined on the
+                # host) while the earlier files are being written
+                with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-build") as builder:
+                    built = {rel: builder.submit(build, host) for rel, build in t.files.items()}
+                    files = {rel: future.result for rel, future in built.items()}
+                    try:
+                        write_checkpoint(t.final_dir, step, files, self.comm, meta=t.meta,
+                                         after_shards=t.after_shards)
+                    except CheckpointWriteError as e:
+                        result.ok, result.error, result.error_path = False, e.error, e.path
+                        for future in built.values():
+                            future.cancel()
+                if not result.ok:
                     break
                 result.done.append(str(t.final_dir))
             result.durable_s = time.perf_counter() - t0
