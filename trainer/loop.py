@@ -175,6 +175,7 @@ class Trainer:
                               f"set parallel.microbatches={self.accum_steps}")
         self.injection = faults.active_injection(t.fault_injection, self.rank, attempt, self.host)
         self.compiled = compile_enabled(t.compile, device)
+        self.prebuilt = model is not None
         self.phases = StartPhases(attempt, compiled=self.compiled)  # for the supervisor's recovery breakdown
         self.stop_requested = False
         self._prev_sync: Optional[float] = None  # perf_counter at the previous step's host sync (step timing)
@@ -446,6 +447,9 @@ class Trainer:
             self.balancer.update(self._stage_loads(per_layer))
 
         write_heartbeat(self.run_dir, self.rank, done, self.host)
+        if self._reserve_after_first_step is not None:
+            self._reserve_after_first_step()
+            self._reserve_after_first_step = None
         if done % t.log_interval == 0 or done == t.steps:  # every rank: the expert counts are all-reduced
             counts_LE = self._global_counts(per_layer)
             self._skew_records(done, counts_LE)
@@ -632,8 +636,16 @@ class Trainer:
         manager = CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
                                     asdict(self.cfg.model), self._kill_hook)
         t = self.cfg.train  # the host buffers are pinned in the background while the first steps run
-        manager.reserve(bool(t.ckpt_interval), bool(t.model_ckpt_interval), lambda rels: device_state(
-            rels, files, self.model, self.optimizer, self._trainer_state(self.start_step), self.device))
+
+        def reserve() -> None:
+            manager.reserve(bool(t.ckpt_interval), bool(t.model_ckpt_interval), lambda rels: device_state(
+                rels, files, self.model, self.optimizer, self._trainer_state(self.start_step), self.device))
+
+        # pinning holds the CUDA driver for seconds: a cold start overlaps it with compiling (host work); a warm
+        # standby's first step is the recovery's last phase, so there it starts once that step is done
+        self._reserve_after_first_step = reserve if self.prebuilt else None
+        if not self.prebuilt:
+            reserve()
         return manager
 
     def _save_checkpoints(self, done: int, full: bool, model_only: bool) -> Optional[int]:
