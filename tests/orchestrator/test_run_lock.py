@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from e2e_util import MOE_LAUNCH, wait_for
 
 from moe_launch.orchestrator.runlock import live_allocation, local_supervisors, slurm_jobs_of
@@ -91,3 +92,25 @@ def test_lock_is_released_when_the_holder_dies(tmp_path):
 
     with RunLock(tmp_path, wait_s=5):  # raises SubmissionError if the dead holder still held it after 5 s
         pass
+
+
+@pytest.mark.slurm
+def test_second_start_of_a_live_slurm_run_refuses(slurm_cluster, tmp_path):
+    """The login side is SIGKILLed while its allocation runs; the same command again must not submit a second job."""
+    args = ["cluster=slurm", "cluster.nodes=1", "cluster.buffers=0", "parallel.dp=1", "train.global_batch_size=4",
+            "cluster.exclude=[node1,node2,node3,node4]", *LONG]
+    first = subprocess.Popen([MOE_LAUNCH, *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rd = tmp_path / "runs" / "x"
+    try:
+        job = wait_for(lambda: next((r["details"]["handle"] for r in read_jsonl(rd / "journal.jsonl")
+                                     if r["kind"] == "start"), None), 60, "the allocation")
+        first.kill()
+        first.wait()
+        again = subprocess.run([MOE_LAUNCH, *args], cwd=tmp_path, capture_output=True, text=True, timeout=90)
+        assert again.returncode == 2 and f"moe-launch attach {rd}" in again.stderr, again.stderr
+        assert f"allocation {job}" in again.stderr or f"Slurm job {job}" in again.stderr
+        jobs = subprocess.run(["squeue", "-h", "-n", "moe-launch:x", "-o", "%i"], capture_output=True, text=True)
+        assert jobs.stdout.split() == [job] and len(_starts(rd)) == 1
+    finally:
+        subprocess.run([MOE_LAUNCH, "stop", str(rd)], capture_output=True, timeout=60)
+        wait_for(lambda: (rd / "summary.json").exists(), 120, "the stopped run's summary")
