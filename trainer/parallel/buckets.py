@@ -31,6 +31,8 @@ from moe_launch.errors import ConfigError
 from moe_launch.kernels.adamw import join_master, split_master
 from moe_launch.trainer.parallel.groups import Axis
 
+_SPLIT_PIECE = 1 << 26  # elements per piece when a master is split into parameters + remainder (256 MB in fp32)
+
 MASTER_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -142,10 +144,12 @@ class Bucket:
         hi = lo + values.numel()
         if self.dtype == torch.float32:
             self.param_shard[lo:hi].copy_(values)
-        else:
-            p, rem = split_master(values.to(torch.float32))
-            self.param_shard[lo:hi].copy_(p)
-            self.remainder[lo:hi].copy_(rem)
+        else:  # split where the parameters live (a restore passes host tensors), in pieces: its temporaries are small
+            for a in range(0, values.numel(), _SPLIT_PIECE):
+                piece = values[a:a + _SPLIT_PIECE].to(self.param_shard.device, torch.float32)
+                p, rem = split_master(piece)
+                self.param_shard[lo + a:lo + a + piece.numel()].copy_(p)
+                self.remainder[lo + a:lo + a + piece.numel()].copy_(rem)
 
     def init_state(self) -> None:
         """Zero moments (kept if already sized); a bf16 master restarts at the parameters (remainder zero)."""
