@@ -11,7 +11,7 @@ import torch
 from trainer_harness import launch_ranks, tiny_cfg, write_run
 
 from moe_launch.conf.schema import FaultInjection
-from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, EXIT_OK, read_jsonl
+from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, EXIT_OK, EXIT_PREEMPTED, read_jsonl
 from moe_launch.trainer.checkpoint.manager import persist_failure_reason
 from moe_launch.trainer.checkpoint.persist import AsyncCheckpointer, PersistResult, Target
 from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot, load_file, verify
@@ -127,3 +127,18 @@ def test_reserved_buffers_are_the_ones_the_capture_fills(tmp_path):
     writer.request(1, [_target(tmp_path / "ckpt-a", list(state))], state)
     assert writer.wait().ok and reserved == writer.snapshot.nbytes == 300 * 4
     assert torch.equal(load_file(tmp_path / "ckpt-a", "model/dense.pt")["w"], state["model/dense.pt"]["w"])
+
+
+def test_preemption_exits_only_once_its_checkpoint_is_durable(tmp_path, data_cache):
+    cfg = tiny_cfg(data_cache, ckpt_interval=0)  # no interval checkpoints: the preemption's is the only one
+    rd = write_run(tmp_path / "run", cfg)
+    trainer = Trainer(cfg, rd)
+    trainer.stop_requested = True  # what SIGUSR2 / SIGTERM set
+    assert trainer.train() == EXIT_PREEMPTED
+    assert not trainer.ckpt.writer.in_flight  # the background persist was waited for, not left running
+    choice = choose_resume_slot(rd.checkpoints)
+    assert (choice.path.name, choice.step) == ("ckpt-a", 1)
+    stop = next(r["details"] for r in read_jsonl(rd.journal) if r["kind"] == "stop")
+    written = next(r for r in read_jsonl(rd.journal) if r["kind"] == "checkpoint")
+    assert stop["checkpoint"] == "ckpt-a" and written["details"]["step"] == 1 and written["time"] <= \
+        next(r["time"] for r in read_jsonl(rd.journal) if r["kind"] == "stop")
