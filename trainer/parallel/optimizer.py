@@ -211,11 +211,7 @@ class ShardedAdamW:
         for b in self.buckets:
             s = saved[b.name]
             b.adopt_param_storage()
-            # chunk by chunk onto the parameters' device: a bf16 master is split there (not on the host's cores),
-            # and the temporaries stay bounded
-            device = b.param_buffer.device
-            for lo in range(0, s["master"].numel(), CHUNK):
-                b.set_master(lo, s["master"][lo : lo + CHUNK].to(device))
+            b.master = s["master"]  # split on the parameters' device, in pieces (Bucket.set_master)
             b.exp_avg.copy_(s["exp_avg"])
             b.exp_avg_sq.copy_(s["exp_avg_sq"])
         self.step_count = int(sd["step"])
