@@ -33,7 +33,9 @@ from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.supervisor import STOP_FILE
 from moe_launch.rundir import RunDir, journal_event, read_jsonl
 
-_LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING")
+# not COMPLETING: the batch script (the supervisor) has exited then, so nothing watches or writes the run any more,
+# and a new start of the run must not be refused while Slurm cleans the job up
+_LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING")
 _GONE_GRACE_S = 3.0  # the supervisor writes summary.json just before it exits; give the file a moment
 
 

@@ -85,7 +85,9 @@ def squeue_all() -> str:
 def slurm_jobs_of(run_dir: Path, squeue_lines: str) -> list[str]:
     """Pure: ids of live jobs in `squeue -h -o %i|%T|%o` output whose batch script lies in run_dir/sbatch/."""
     scripts = str(Path(run_dir).absolute() / "sbatch") + os.sep
-    done = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL")
+    # COMPLETING too: its batch script, the supervisor, has exited; only Slurm's cleanup is left
+    done = ("COMPLETED", "COMPLETING", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+            "BOOT_FAIL")
     jobs = []
     for line in squeue_lines.splitlines():
         parts = line.strip().split("|", 2)

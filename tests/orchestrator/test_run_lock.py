@@ -73,7 +73,8 @@ def test_slurm_jobs_of_a_run_are_found_by_their_batch_script(tmp_path):
     rd = tmp_path / "runs" / "x"
     lines = (f"11|RUNNING|{rd}/sbatch/allocation-0.sh\n12|PENDING|{rd}/sbatch/allocation-1.sh\n"
              f"13|RUNNING|{tmp_path}/runs/xy/sbatch/allocation-0.sh\n14|COMPLETED|{rd}/sbatch/allocation-2.sh\n"
-             "15|RUNNING|(null)\n")
+             "15|RUNNING|(null)\n"
+             f"16|COMPLETING|{rd}/sbatch/allocation-3.sh\n")  # its supervisor has exited: a rerun may start
     assert slurm_jobs_of(rd, lines) == ["11", "12"]
     assert live_allocation(rd, "slurm", [{"cluster": "slurm", "handle": "9"}], lambda *_: False,
                            lambda: lines) == "Slurm job 11, 12"
