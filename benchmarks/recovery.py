@@ -31,9 +31,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 PHASES = ("detect", "relaunch", "process_start", "restore", "compile", "first_step")
+# micro-batches of 1: three processes share the GPU (the trainer and two standbys warming up); checkpoints 100 steps
+# apart (~30 s, about the time one takes to become durable); steps slowed a little so that the NaN comes after the
+# standbys are warm and hold a durable checkpoint
 GPU = ["model=olmoe_1b7b", "model.n_layers=4", "train.compile=true", "train.seq_len=4096",
-       "train.global_batch_size=4", "train.micro_batch_size=1", "train.lr=4e-4", "train.ckpt_interval=30",
-       "train.step_sleep_s=1", "train.steps=400"]
+       "train.global_batch_size=4", "train.micro_batch_size=1", "train.lr=4e-4", "train.ckpt_interval=100",
+       "train.step_sleep_s=0.2", "train.steps=2000"]
 CPU = ["train.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=1", "train.ckpt_interval=5",
        "train.step_sleep_s=0.3", "train.steps=200"]
 
@@ -123,12 +126,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny_moe on the CPU (checks the choreography)")
-    ap.add_argument("--nan-step", type=int, default=None, help="step of the NaN (default: 75 on GPU, 12 on CPU)")
+    ap.add_argument("--nan-step", type=int, default=None, help="step of the NaN (default: 450 on GPU, 12 on CPU)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="give up (and clean up) after this long")
     ap.add_argument("overrides", nargs="*", help="more moe-launch overrides (they win over the script's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    nan_step = args.nan_step or (12 if args.cpu_smoke else 75)
+    nan_step = args.nan_step or (12 if args.cpu_smoke else 450)
     overrides = ["cluster=local", "cluster.nodes=1", "cluster.buffers=2", "parallel.dp=1", "health.preflight=false",
                  "supervisor.standby=buffers", "train.progress=false", "train.fault_injection.kind=nan",
                  "train.fault_injection.rank=0", f"train.fault_injection.step={nan_step}",
