@@ -11,6 +11,7 @@ checkpoints, faults), `data`, `cluster` (local or Slurm, N nodes + B buffers), `
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -20,6 +21,12 @@ from moe_launch.errors import ConfigError
 
 # set by `all_problems()`: the checks below record into this list instead of raising at the first problem
 _found: ContextVar[Optional[list[ConfigError]]] = ContextVar("config_problems", default=None)
+
+
+def _xdg_path(var: str, fallback: str, rel: str) -> str:
+    """A per-user state path under the XDG base directory `var` (as every Linux tool does), so a test suite or a
+    second user setup can keep its own health history and baselines by setting XDG_DATA_HOME / XDG_CONFIG_HOME."""
+    return f"{os.environ.get(var) or fallback}/moe-launch/{rel}"
 
 
 class ConfigProblems(ConfigError):
@@ -383,7 +390,7 @@ class AllToAllConfig:
     min_bytes: int = 1024
     max_bytes: int = 0  # 0: 8 GiB on GPU, 1 MiB on CPU
     iters: int = 5
-    baseline_path: str = "~/.config/moe-launch/a2a_baselines.json"
+    baseline_path: str = field(default_factory=lambda: _xdg_path("XDG_CONFIG_HOME", "~/.config", "a2a_baselines.json"))
     isolate: bool = True  # on failure, find the bad node(s) by leave-one-out / pairwise tests
     timeout_s: int = 300
 
@@ -399,7 +406,8 @@ class HealthConfig:
     gpu_check: bool = True
     gpu_check_threshold: float = 0.9  # GPU only: GEMM TFLOP/s below this fraction of the model's baseline fails
     alltoall: AllToAllConfig = field(default_factory=AllToAllConfig)
-    store_dir: str = "~/.local/share/moe-launch/health"  # per-cluster history (JSON lines) and quarantine list
+    # per-cluster history (JSON lines) and quarantine list
+    store_dir: str = field(default_factory=lambda: _xdg_path("XDG_DATA_HOME", "~/.local/share", "health"))
     quarantine_failures: int = 3  # k failures of a node within the window -> quarantined
     quarantine_window_h: float = 24.0
     # test hook: host -> seconds of delay added to that host's all-to-all (simulates a slow link)

@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,14 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # so `from slurm.helpers import ...` and `from helpers_net import ...` work
     sys.path.insert(0, str(TESTS_DIR))
+
+# The suite's health history, quarantine list and all-to-all baselines live in a directory of its own (the config's
+# defaults follow XDG_DATA_HOME / XDG_CONFIG_HOME): nodes blamed by one test run must not be quarantined for the
+# user's real runs, nor for the next test session on the same machine. Set once; xdist workers inherit it.
+if "MOE_TEST_STATE_HOME" not in os.environ:
+    os.environ["MOE_TEST_STATE_HOME"] = tempfile.mkdtemp(prefix="moe-launch-test-state-")
+    os.environ["XDG_DATA_HOME"] = os.path.join(os.environ["MOE_TEST_STATE_HOME"], "data")
+    os.environ["XDG_CONFIG_HOME"] = os.path.join(os.environ["MOE_TEST_STATE_HOME"], "config")
 
 from helpers_net import free_port  # noqa: E402,F401  (re-export)
 from slurm import helpers as slurm_helpers  # noqa: E402
