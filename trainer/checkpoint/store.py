@@ -88,14 +88,6 @@ def new_hasher(algo: str) -> Any:
     raise CheckpointError(f"unknown checkpoint digest {algo!r}")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _libc_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
     """sync_file_range(fd, offset, n, SYNC_FILE_RANGE_WRITE): start writing those dirty pages back, without
     waiting (Linux); None elsewhere."""
@@ -194,6 +186,7 @@ def write_file(path: Path, obj: Any, algo: str = DIGEST, fsync: bool = True) -> 
 
 
 def fsync_file(path: Path) -> None:
+    """fsync a file or a directory (a rename is durable only once its directory is)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -270,16 +263,16 @@ def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Co
 
 def _commit(final_dir: Path, tmp: Path, step: int, merged: dict[str, dict], meta: Optional[dict]) -> None:
     for sub in {(tmp / rel).parent for rel in merged}:
-        _fsync_dir(sub)
+        fsync_file(sub)
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": merged, "meta": meta or {}}
     _write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    _fsync_dir(tmp)
+    fsync_file(tmp)
     old = final_dir.with_name(f".{final_dir.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if final_dir.exists():
         os.replace(final_dir, old)
     os.replace(tmp, final_dir)
-    _fsync_dir(final_dir.parent)
+    fsync_file(final_dir.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
