@@ -2,7 +2,7 @@
 and resubmit when the allocation itself ended without a summary (time limit, preemption, supervisor node lost),
 excluding the nodes the journal names as bad and asking for fewer buffers when the partition cannot give them. A
 clean time-limit/preemption checkpoint makes the next allocation a continuation; supervisor.max_resubmits counts only
-the allocations lost without one (see allocation_verdict).
+the allocations lost without one (orchestrator/resubmit.py).
 
 Everything it needs is in the run directory, so `moe-launch attach` runs the same follow loop after the original
 login session died.
@@ -21,13 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from moe_launch.conf.schema import ClusterConfig, RootConfig, SupervisorConfig
+from moe_launch.conf.schema import RootConfig
 from moe_launch.errors import ConfigError, SubmissionError
 from moe_launch.orchestrator import slurm
 from moe_launch.orchestrator.last_record import DISK_FULL, disk_full_reason, no_space_reason
 from moe_launch.orchestrator.live import LiveView
-from moe_launch.orchestrator.plan import LaunchPlan, PartitionInfo, plan, write_plan
+from moe_launch.orchestrator.plan import LaunchPlan, plan, write_plan
 from moe_launch.orchestrator.render import render_sbatch
+from moe_launch.orchestrator.resubmit import allocation_verdict, buffers_for_resubmit
 from moe_launch.orchestrator.state import Action, SupervisorState, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.supervisor import STOP_FILE
@@ -219,34 +220,6 @@ def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, 
                   reason=f"allocation {last['handle']} lost its supervisor's node {host}; cancelling it to resubmit")
     slurm.cancel(last["handle"])
     return True
-
-
-def allocation_verdict(continuation: bool, records: list[dict[str, Any]], started: int,
-                       sup: SupervisorConfig) -> Optional[str]:
-    """Pure: why the run stops instead of getting allocation number `started` (0-based), or None to resubmit.
-    `continuation`: the ended allocation's trainer checkpointed cleanly on a time-limit or preemption signal. Such
-    allocations are planned (a two-week run on 24-hour limits needs 14), so they never use up
-    supervisor.max_resubmits, which counts allocations lost without a clean checkpoint; supervisor.max_allocations
-    (0: none) caps them all."""
-    if sup.max_allocations and started >= sup.max_allocations:
-        return (f"supervisor.max_allocations={sup.max_allocations} allocation(s) used up. Checkpoints are kept: "
-                f"`moe-launch attach` after raising it resumes from them")
-    lost = sum(1 for r in records if r.get("kind") == "resubmit" and not r["details"].get("continuation"))
-    if not continuation and lost >= sup.max_resubmits:
-        return (f"the allocation ended without a clean checkpoint {lost + 1} time(s); supervisor.max_resubmits="
-                f"{sup.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising it, or start "
-                f"a new run resuming from them")
-    return None
-
-
-def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], exclude: tuple[str, ...]) -> int:
-    """Pure: the buffer count a resubmission asks for: cluster.buffers, or fewer when the partition, less the excluded
-    and unavailable nodes, cannot give N + B any more (down to 0). A job asking for more would never start, or be
-    refused."""
-    if part is None:
-        return cluster.buffers
-    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
-    return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
 
 
 def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]], started: int) -> None:

@@ -5,8 +5,8 @@ buffers the partition can still give."""
 from __future__ import annotations
 
 from moe_launch.conf.schema import ClusterConfig, SupervisorConfig
-from moe_launch.orchestrator.login import allocation_verdict, buffers_for_resubmit
 from moe_launch.orchestrator.plan import PartitionInfo
+from moe_launch.orchestrator.resubmit import allocation_verdict, buffers_for_resubmit
 
 
 def _resubmit(continuation: bool) -> dict:

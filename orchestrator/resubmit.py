@@ -1,0 +1,39 @@
+"""The cross-allocation policy, beside decide() (which rules within one allocation): whether an allocation that ended
+without a summary gets a successor, and how many buffers that successor asks for. Pure functions over the journal's
+records and the config; orchestrator/login.py applies them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from moe_launch.conf.schema import ClusterConfig, SupervisorConfig
+from moe_launch.orchestrator.plan import PartitionInfo
+
+
+def allocation_verdict(continuation: bool, records: list[dict[str, Any]], started: int,
+                       sup: SupervisorConfig) -> Optional[str]:
+    """Pure: why the run stops instead of getting allocation number `started` (0-based), or None to resubmit.
+    `continuation`: the ended allocation's trainer checkpointed cleanly on a time-limit or preemption signal. Such
+    allocations are planned (a two-week run on 24-hour limits needs 14), so they never use up
+    supervisor.max_resubmits, which counts allocations lost without a clean checkpoint; supervisor.max_allocations
+    (0: none) caps them all."""
+    if sup.max_allocations and started >= sup.max_allocations:
+        return (f"supervisor.max_allocations={sup.max_allocations} allocation(s) used up. Checkpoints are kept: "
+                f"`moe-launch attach` after raising it resumes from them")
+    lost = sum(1 for r in records if r.get("kind") == "resubmit" and not r["details"].get("continuation"))
+    if not continuation and lost >= sup.max_resubmits:
+        return (f"the allocation ended without a clean checkpoint {lost + 1} time(s); supervisor.max_resubmits="
+                f"{sup.max_resubmits} used up. Checkpoints are kept: `moe-launch attach` after raising it, or start "
+                f"a new run resuming from them")
+    return None
+
+
+def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], exclude: tuple[str, ...]) -> int:
+    """Pure: the buffer count a resubmission asks for: cluster.buffers, or fewer when the partition, less the excluded
+    and unavailable nodes, cannot give N + B any more (down to 0). A job asking for more would never start, or be
+    refused."""
+    if part is None:
+        return cluster.buffers
+    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
+    return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
