@@ -10,7 +10,6 @@ login session died.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -20,6 +19,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
+
+from filelock import FileLock, Timeout
 
 from moe_launch.conf.schema import RootConfig
 from moe_launch.errors import ConfigError, SubmissionError
@@ -145,19 +146,20 @@ def follow(cfg: RootConfig, rd: RunDir, quiet: bool = False) -> int:
 
 
 class _ResubmitLock:
-    """Only one follower (the original login session or an `attach`) may resubmit: an flock on runs/<name>/.login.lock,
-    taken without blocking and kept; the others only watch, and take over when the holder's process ends."""
+    """Only one follower (the original login session or an `attach`) may resubmit: a file lock on
+    runs/<name>/.login.lock, taken without blocking and kept; the others only watch, and take over when the holder's
+    process ends."""
 
     def __init__(self, rd: RunDir):
-        self.file = open(rd.root / ".login.lock", "a")
+        self.lock = FileLock(rd.root / ".login.lock")
         self.held = False
 
     def acquire(self) -> bool:
         if not self.held:
             try:
-                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.lock.acquire(timeout=0)
                 self.held = True
-            except BlockingIOError:
+            except Timeout:
                 pass
         return self.held
 

@@ -2,7 +2,7 @@
 
 `moe-launch run.name=x` twice (started together, or again after the first login session died) must not make a second
 allocation in the same run directory: two trainers would share `ckpt-a`/`ckpt-b` and the journal. A start therefore
-  1. takes an exclusive lock on runs/<name>/.start.lock (fcntl.flock; a concurrent start waits for it), and
+  1. takes an exclusive lock on runs/<name>/.start.lock (filelock; a concurrent start waits for it), and
   2. under the lock, looks for a live allocation of this run: the journal's last handle, and also one the journal
      never heard of (the login side killed between starting it and journaling it): a local supervisor process of
      this run directory, or a Slurm job whose batch script lies in runs/<name>/sbatch/;
@@ -11,12 +11,12 @@ allocation in the same run directory: two trainers would share `ckpt-a`/`ckpt-b`
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
-import time
 from pathlib import Path
 from typing import Callable, Optional
+
+from filelock import FileLock, Timeout
 
 from moe_launch.errors import SubmissionError
 
@@ -28,32 +28,20 @@ class RunLock:
     def __init__(self, run_dir: Path, wait_s: float = _WAIT_S):
         self.path = Path(run_dir) / LOCK_NAME
         self.wait_s = wait_s
-        self.file = None
+        self.lock = FileLock(self.path, timeout=wait_s)
 
     def __enter__(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a+")
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    self.file.close()
-                    raise SubmissionError(f"another moe-launch has been starting {self.path.parent} for "
-                                          f"{self.wait_s:.0f} s; follow it with `moe-launch attach "
-                                          f"{self.path.parent}`") from None
-                time.sleep(0.1)
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"{os.getpid()}\n")
-        self.file.flush()
+        try:
+            self.lock.acquire()
+        except Timeout:
+            raise SubmissionError(f"another moe-launch has been starting {self.path.parent} for "
+                                  f"{self.wait_s:.0f} s; follow it with `moe-launch attach "
+                                  f"{self.path.parent}`") from None
         return self
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self.file.fileno(), fcntl.LOCK_UN)
-        self.file.close()
+        self.lock.release()
 
 
 def local_supervisors(run_dir: Path, proc_root: Path = Path("/proc")) -> list[str]:

@@ -8,14 +8,14 @@ finished dataset appears by an atomic rename, and later calls return after one s
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
+
+from filelock import FileLock
 
 from moe_launch.conf.schema import DataConfig
 from moe_launch.errors import DataError
@@ -34,17 +34,6 @@ def builtin_key(vocab_size: int, seq_len: int, seed: int, tokenizer: str, corpus
     fields = {"v": BUILTIN_DATASET_VERSION, "vocab": vocab_size, "seq_len": seq_len, "seed": seed,
               "tokenizer": tok, "corpus_bytes": corpus_bytes, "python": python_tag()}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # blocks while another process builds
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def prepare_builtin(
@@ -91,7 +80,8 @@ def build_builtin(
     final = cache / f"builtin-{key}"
     summary = None
     if not (final / INDEX_NAME).exists():
-        with _exclusive(cache / f".builtin-{key}.lock"):
+        cache.mkdir(parents=True, exist_ok=True)
+        with FileLock(cache / f".builtin-{key}.lock"):
             if not (final / INDEX_NAME).exists():  # another process may have built it while we waited
                 # a fixed work dir: a build killed half-way resumes from its completion markers
                 work = cache / f".builtin-{key}.work"
