@@ -5,6 +5,11 @@ failed node leaves a --no-kill allocation while the variable still names it).
 Every call takes an argument list and a timeout. Parsers are pure and tested on captured output. Answers that say the
 controller cannot be reached (a slurmctld restart or failover) are not errors of the call: callers give a retry window
 (cluster.controller_retry_s) over which such calls are repeated with backoff.
+
+Why not submitit here (it submits `moe-data prepare`'s job arrays, trainer/data/runners.py): the allocation is a
+rendered batch script that a user can also submit by hand (`--render-sbatch`), not a pickled Python call; the
+supervisor needs `scontrol`'s live node list of a `--no-kill` job, which submitit does not expose; and a job state
+must tell "the controller did not answer" from "the job is gone", which submitit's cached sacct poll folds into one.
 """
 
 from __future__ import annotations
