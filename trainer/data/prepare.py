@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from moe_launch.errors import DataError
+from moe_launch.rundir import node_name
 from moe_launch.trainer.data import shards
 from moe_launch.trainer.data.corpus import BUILTIN_CORPUS_BYTES, read_documents
 from moe_launch.trainer.data.permutation import permute
@@ -222,7 +223,7 @@ def _tokenize_part(task: PartTask, marker: Path, report: Optional[Callable[[int,
     os.replace(tmp, target)
     record = {
         "part": task.part, "files": len(task.files), "sizes": list(task.sizes), "bytes": task.nbytes, "docs": docs,
-        "tokens": int(tokens_T.size), "seconds": time.perf_counter() - t0, "host": os.uname().nodename,
+        "tokens": int(tokens_T.size), "seconds": time.perf_counter() - t0, "host": node_name(),
     }
     marker.parent.mkdir(parents=True, exist_ok=True)
     tmp_marker = marker.with_name(f".{marker.name}.tmp.{os.getpid()}")
