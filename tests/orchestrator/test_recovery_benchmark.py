@@ -23,5 +23,8 @@ def test_recovery_benchmark_cpu_smoke(tmp_path):
     results = json.loads((tmp_path / "recovery.json").read_text())
     for fault in ("nan", "sigkill"):
         r = results["recoveries"][fault]
-        assert r["from_memory"] is True, r
         assert sum(r["breakdown"].values()) == pytest.approx(r["seconds"], abs=0.01)
+    # the SIGKILL is sent only once the spare's standby holds the newest durable checkpoint, so that restore must come
+    # from memory; the NaN strikes at a fixed step, which on a loaded machine can come before its standby is ready
+    # (then the restore reads the disk, which is also correct)
+    assert results["recoveries"]["sigkill"]["from_memory"] is True, results["recoveries"]["sigkill"]
