@@ -6,7 +6,7 @@ import torch
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative L2 error of a against b (the metric of issue 4's tolerances)."""
+    """Relative L2 error of a against b (the metric of the kernels' tolerances)."""
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
 
 

@@ -1,4 +1,4 @@
-"""Smoke run of benchmarks/loss_curve.py (issue 11's 200-step loss-curve comparison): the real Trainer three times
+"""Smoke run of benchmarks/loss_curve.py (the 200-step loss-curve comparison): the real Trainer three times
 (fast Triton MoE path under the interpreter, reference path twice), all fp32 on CPU for 5 steps; the script writes
 its JSON with three full curves and the summary, and the curves agree (same data, same init)."""
 
