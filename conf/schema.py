@@ -12,63 +12,17 @@ checkpoints, faults), `data`, `cluster` (local or Slurm, N nodes + B buffers), `
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
-from moe_launch.errors import ConfigError
+from moe_launch.conf.checks import ConfigProblems, all_problems, one_of, require, validate_cross
 
-# set by `all_problems()`: the checks below record into this list instead of raising at the first problem
-_found: ContextVar[Optional[list[ConfigError]]] = ContextVar("config_problems", default=None)
-
+__all__ = ["ConfigProblems", "all_problems"]  # re-exported: callers convert configs through the schema module
 
 def _xdg_path(var: str, fallback: str, rel: str) -> str:
     """A per-user state path under the XDG base directory `var` (as every Linux tool does), so a test suite or a
     second user setup can keep its own health history and baselines by setting XDG_DATA_HOME / XDG_CONFIG_HOME."""
     return f"{os.environ.get(var) or fallback}/moe-launch/{rel}"
-
-
-class ConfigProblems(ConfigError):
-    """Several bad values at once, one line each, so a user fixes them in one edit instead of one per try."""
-
-    def __init__(self, problems: list[ConfigError]):
-        self.problems = problems
-        ValueError.__init__(self, f"{len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
-        self.key = problems[0].key
-
-
-@contextmanager
-def all_problems() -> Iterator[None]:
-    """Convert a config inside this block (OmegaConf.to_object runs every __post_init__): every failed check is
-    collected, and one ConfigError (ConfigProblems when more than one) names them all at the end."""
-    token = _found.set([])
-    try:
-        yield
-    except ConfigError as e:  # raised directly, not through _require: it joins the others
-        _found.get().append(e)
-    except Exception:  # a check that tripped over an earlier bad value: the recorded problems explain it
-        if not _found.get():
-            raise
-    finally:
-        found = _found.get()
-        _found.reset(token)
-    if len(found) == 1:
-        raise found[0]
-    if found:
-        raise ConfigProblems(found)
-
-
-def _require(cond: bool, key: str, problem: str, fix: str) -> None:
-    if not cond:
-        found = _found.get()
-        if found is None:
-            raise ConfigError(key, problem, fix)
-        found.append(ConfigError(key, problem, fix))
-
-
-def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
-    _require(value in allowed, key, f"got {value!r}", f"use one of {', '.join(allowed)}")
 
 
 @dataclass
@@ -90,20 +44,20 @@ class MoEConfig:
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
     def __post_init__(self) -> None:
-        _require(self.num_experts >= 1, "model.moe.num_experts", f"got {self.num_experts}", "use at least 1 expert")
-        _require(
+        require(self.num_experts >= 1, "model.moe.num_experts", f"got {self.num_experts}", "use at least 1 expert")
+        require(
             1 <= self.top_k <= self.num_experts,
             "model.moe.top_k",
             f"got {self.top_k} with {self.num_experts} experts",
             "choose 1 <= top_k <= model.moe.num_experts",
         )
-        _require(self.expert_hidden >= 1, "model.moe.expert_hidden", f"got {self.expert_hidden}", "use a positive size")
-        _require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-2)")
-        _require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
-        _one_of(self.impl, ("auto", "reference", "fast"), "model.moe.impl")
-        _one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
-        _one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
-        _require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",
+        require(self.expert_hidden >= 1, "model.moe.expert_hidden", f"got {self.expert_hidden}", "use a positive size")
+        require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-2)")
+        require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
+        one_of(self.impl, ("auto", "reference", "fast"), "model.moe.impl")
+        one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
+        one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
+        require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",
                  "use a small positive step, e.g. 1e-3")
 
     @property
@@ -131,24 +85,24 @@ class ModelConfig:
     init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, ("dense", "moe"), "model.kind")
+        one_of(self.kind, ("dense", "moe"), "model.kind")
         for key in ("vocab_size", "d_model", "n_layers", "n_heads", "ffn_hidden", "max_seq_len"):
             value = getattr(self, key)
-            _require(value >= 1, f"model.{key}", f"got {value}", "use a positive integer")
-        _require(
+            require(value >= 1, f"model.{key}", f"got {value}", "use a positive integer")
+        require(
             self.d_model % self.n_heads == 0,
             "model.n_heads",
             f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
             "choose n_heads dividing model.d_model",
         )
-        _require(
+        require(
             (self.d_model // self.n_heads) % 2 == 0,
             "model.n_heads",
             f"head dim {self.d_model // self.n_heads} is odd (rotary embeddings rotate pairs)",
             "choose n_heads so that d_model / n_heads is even",
         )
         if self.init_from is not None:
-            _require(
+            require(
                 self.init_from.startswith(("hf:", "ckpt:")),
                 "model.init_from",
                 f"got {self.init_from!r}",
@@ -178,13 +132,13 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for key in ("dp", "ep", "pp", "pp_virtual_stages", "microbatches"):
             value = getattr(self, key)
-            _require(value >= 1, f"parallel.{key}", f"got {value}", "use a positive integer")
-        _one_of(self.optimizer_sharding, ("none", "zero1", "epso"), "parallel.optimizer_sharding")
-        _one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
-        _one_of(self.pp_balance, ("flops", "params", "layers"), "parallel.pp_balance")
+            require(value >= 1, f"parallel.{key}", f"got {value}", "use a positive integer")
+        one_of(self.optimizer_sharding, ("none", "zero1", "epso"), "parallel.optimizer_sharding")
+        one_of(self.pp_schedule, ("gpipe", "1f1b", "interleaved"), "parallel.pp_schedule")
+        one_of(self.pp_balance, ("flops", "params", "layers"), "parallel.pp_balance")
         if self.pp_split:
             chunks = self.pp * self.pp_virtual_stages
-            _require(len(self.pp_split) == chunks, "parallel.pp_split",
+            require(len(self.pp_split) == chunks, "parallel.pp_split",
                      f"{len(self.pp_split)} entries for pp*pp_virtual_stages = {chunks} chunks",
                      "give one layer count per chunk, or leave it empty to balance")
 
@@ -208,7 +162,7 @@ class FaultInjection:
     def __post_init__(self) -> None:
         if self.kind is not None:
             kinds = ("nan", "inf_grad", "hang", "crash", "sigkill", "kill_during_ckpt", "loss_spike")
-            _one_of(self.kind, kinds, "train.fault_injection.kind")
+            one_of(self.kind, kinds, "train.fault_injection.kind")
 
 
 @dataclass
@@ -223,10 +177,10 @@ class SpikeConfig:
 
     def __post_init__(self) -> None:
         if self.action is not None:
-            _one_of(self.action, ("skip", "rollback", "stop"), "train.spike.action")
-        _require(self.window >= 3, "train.spike.window", f"got {self.window}", "use at least 3 steps (e.g. 50)")
-        _require(self.threshold > 0, "train.spike.threshold", f"got {self.threshold}", "use e.g. 6.0")
-        _require(self.skip_batches >= 1, "train.spike.skip_batches", f"got {self.skip_batches}", "use 1 or more")
+            one_of(self.action, ("skip", "rollback", "stop"), "train.spike.action")
+        require(self.window >= 3, "train.spike.window", f"got {self.window}", "use at least 3 steps (e.g. 50)")
+        require(self.threshold > 0, "train.spike.threshold", f"got {self.threshold}", "use e.g. 6.0")
+        require(self.skip_batches >= 1, "train.spike.skip_batches", f"got {self.skip_batches}", "use 1 or more")
 
 
 @dataclass
@@ -282,38 +236,38 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for key in ("steps", "global_batch_size", "micro_batch_size", "seq_len", "log_interval"):
             value = getattr(self, key)
-            _require(value >= 1, f"train.{key}", f"got {value}", "use a positive integer")
-        _require(self.lr > 0, "train.lr", f"got {self.lr}", "use a positive learning rate")
-        _require(0 <= self.min_lr <= self.lr, "train.min_lr", f"got {self.min_lr} with lr={self.lr}",
+            require(value >= 1, f"train.{key}", f"got {value}", "use a positive integer")
+        require(self.lr > 0, "train.lr", f"got {self.lr}", "use a positive learning rate")
+        require(0 <= self.min_lr <= self.lr, "train.min_lr", f"got {self.min_lr} with lr={self.lr}",
                  "use 0 <= min_lr <= lr")
-        _require(self.warmup_steps >= 0, "train.warmup_steps", f"got {self.warmup_steps}", "use a value >= 0")
-        _one_of(self.schedule, ("cosine", "wsd", "constant"), "train.schedule")
-        _require(0 < self.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", "out of (0, 1]", "use e.g. 0.2")
-        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must lie in [0, 1)",
+        require(self.warmup_steps >= 0, "train.warmup_steps", f"got {self.warmup_steps}", "use a value >= 0")
+        one_of(self.schedule, ("cosine", "wsd", "constant"), "train.schedule")
+        require(0 < self.wsd_decay_fraction <= 1, "train.wsd_decay_fraction", "out of (0, 1]", "use e.g. 0.2")
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1", "betas must lie in [0, 1)",
                  "use 0.9 / 0.95")
-        _require(self.eps > 0, "train.eps", f"got {self.eps}", "use e.g. 1e-8")
-        _require(self.weight_decay >= 0, "train.weight_decay", "is negative", "use a value >= 0")
-        _require(self.grad_clip >= 0, "train.grad_clip", "is negative", "use 0 to disable or a positive norm")
-        _one_of(self.dtype, ("auto", "fp32", "bf16"), "train.dtype")
-        _one_of(self.param_dtype, ("auto", "fp32", "bf16"), "train.param_dtype")
-        _require(not (self.param_dtype == "bf16" and self.dtype == "fp32"), "train.param_dtype",
+        require(self.eps > 0, "train.eps", f"got {self.eps}", "use e.g. 1e-8")
+        require(self.weight_decay >= 0, "train.weight_decay", "is negative", "use a value >= 0")
+        require(self.grad_clip >= 0, "train.grad_clip", "is negative", "use 0 to disable or a positive norm")
+        one_of(self.dtype, ("auto", "fp32", "bf16"), "train.dtype")
+        one_of(self.param_dtype, ("auto", "fp32", "bf16"), "train.param_dtype")
+        require(not (self.param_dtype == "bf16" and self.dtype == "fp32"), "train.param_dtype",
                  "bf16 parameters need bf16 compute, but train.dtype=fp32",
                  "set train.dtype=bf16 (or auto on GPU), or train.param_dtype=fp32 / auto")
-        _require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
-        _require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
-        _require(self.rewarmup_steps >= 0, "train.rewarmup_steps", "is negative", "use 0 or a step count")
-        _require(0 < self.max_memory_fraction <= 1, "train.max_memory_fraction", f"got {self.max_memory_fraction}",
+        require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
+        require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
+        require(self.rewarmup_steps >= 0, "train.rewarmup_steps", "is negative", "use 0 or a step count")
+        require(0 < self.max_memory_fraction <= 1, "train.max_memory_fraction", f"got {self.max_memory_fraction}",
                  "use a fraction in (0, 1], e.g. 0.9")
-        _require(self.expert_load_alert >= 0, "train.expert_load_alert", "is negative", "use 0 (off) or e.g. 4.0")
-        _require(self.spike.action != "rollback" or self.model_ckpt_interval > 0, "train.spike.action",
+        require(self.expert_load_alert >= 0, "train.expert_load_alert", "is negative", "use 0 (off) or e.g. 4.0")
+        require(self.spike.action != "rollback" or self.model_ckpt_interval > 0, "train.spike.action",
                  "rollback restarts from a persistent model checkpoint, but train.model_ckpt_interval=0 writes none",
                  "set train.model_ckpt_interval (e.g. 100), or use train.spike.action=skip / stop")
         for i, item in enumerate(self.recompute):
-            _one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
-        _require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")
+            one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
+        require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")
         for i, item in enumerate(self.tracking):
-            _one_of(item, ("tensorboard", "wandb"), f"train.tracking[{i}]")
-        _require(self.peak_flops >= 0, "train.peak_flops", "is negative", "use 0 (data-sheet peak) or FLOP/s")
+            one_of(item, ("tensorboard", "wandb"), f"train.tracking[{i}]")
+        require(self.peak_flops >= 0, "train.peak_flops", "is negative", "use 0 (data-sheet peak) or FLOP/s")
 
 
 @dataclass
@@ -329,9 +283,9 @@ class DataConfig:
     seed: int = 0  # prepare-time shuffle of the built-in dataset (epoch orders come from train.seed)
 
     def __post_init__(self) -> None:
-        _one_of(self.format, ("npy", "megatron"), "data.format")
-        _require(self.shard_size >= 1, "data.shard_size", f"got {self.shard_size}", "use a positive integer")
-        _require(self.workers >= 1, "data.workers", f"got {self.workers}", "use a positive integer")
+        one_of(self.format, ("npy", "megatron"), "data.format")
+        require(self.shard_size >= 1, "data.shard_size", f"got {self.shard_size}", "use a positive integer")
+        require(self.workers >= 1, "data.workers", f"got {self.workers}", "use a positive integer")
 
 
 @dataclass
@@ -359,17 +313,17 @@ class ClusterConfig:
     controller_retry_s: float = 300.0
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, ("local", "slurm"), "cluster.kind")
-        _require(self.signal_before_end_s >= 0, "cluster.signal_before_end_s", f"got {self.signal_before_end_s}",
+        one_of(self.kind, ("local", "slurm"), "cluster.kind")
+        require(self.signal_before_end_s >= 0, "cluster.signal_before_end_s", f"got {self.signal_before_end_s}",
                  "use seconds >= 0 (0: no warning signal)")
-        _require(self.controller_retry_s >= 0, "cluster.controller_retry_s", f"got {self.controller_retry_s}",
+        require(self.controller_retry_s >= 0, "cluster.controller_retry_s", f"got {self.controller_retry_s}",
                  "use seconds >= 0, e.g. 300")
-        _require(self.nodes >= 1, "cluster.nodes", f"got {self.nodes}", "use at least 1 node")
-        _require(self.buffers >= 0, "cluster.buffers", f"got {self.buffers}", "use 0 or more buffer nodes")
-        _require(self.tasks_per_node >= 1, "cluster.tasks_per_node", f"got {self.tasks_per_node}", "use at least 1")
-        _require(self.time_limit_min >= 1, "cluster.time_limit_min", f"got {self.time_limit_min}", "use minutes >= 1")
+        require(self.nodes >= 1, "cluster.nodes", f"got {self.nodes}", "use at least 1 node")
+        require(self.buffers >= 0, "cluster.buffers", f"got {self.buffers}", "use 0 or more buffer nodes")
+        require(self.tasks_per_node >= 1, "cluster.tasks_per_node", f"got {self.tasks_per_node}", "use at least 1")
+        require(self.time_limit_min >= 1, "cluster.time_limit_min", f"got {self.time_limit_min}", "use minutes >= 1")
         for i, arg in enumerate(self.extra_sbatch):
-            _require(arg.startswith("--"), f"cluster.extra_sbatch[{i}]", f"got {arg!r}", "write options as --key=value")
+            require(arg.startswith("--"), f"cluster.extra_sbatch[{i}]", f"got {arg!r}", "write options as --key=value")
 
 
 @dataclass
@@ -380,7 +334,7 @@ class DcgmConfig:
     timeout_s: int = 600
 
     def __post_init__(self) -> None:
-        _require(self.level in (1, 2, 3, 4), "health.dcgm.level", f"got {self.level}", "use 1, 2, 3 or 4")
+        require(self.level in (1, 2, 3, 4), "health.dcgm.level", f"got {self.level}", "use 1, 2, 3 or 4")
 
 
 @dataclass
@@ -395,8 +349,8 @@ class AllToAllConfig:
     timeout_s: int = 300
 
     def __post_init__(self) -> None:
-        _require(0 < self.threshold <= 1, "health.alltoall.threshold", f"got {self.threshold}", "use e.g. 0.9")
-        _require(self.iters >= 1, "health.alltoall.iters", f"got {self.iters}", "use at least 1")
+        require(0 < self.threshold <= 1, "health.alltoall.threshold", f"got {self.threshold}", "use e.g. 0.9")
+        require(self.iters >= 1, "health.alltoall.iters", f"got {self.iters}", "use at least 1")
 
 
 @dataclass
@@ -414,8 +368,8 @@ class HealthConfig:
     inject_delay: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _require(self.quarantine_failures >= 1, "health.quarantine_failures", "must be >= 1", "use e.g. 3")
-        _require(0 < self.gpu_check_threshold <= 1, "health.gpu_check_threshold", f"got {self.gpu_check_threshold}",
+        require(self.quarantine_failures >= 1, "health.quarantine_failures", "must be >= 1", "use e.g. 3")
+        require(0 < self.gpu_check_threshold <= 1, "health.gpu_check_threshold", f"got {self.gpu_check_threshold}",
                  "use e.g. 0.9")
 
 
@@ -441,13 +395,13 @@ class SupervisorConfig:
     trainer_command: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _require(self.hang_timeout_s > 0, "supervisor.hang_timeout_s", "must be positive", "use seconds, e.g. 120")
-        _require(self.max_restarts >= 0, "supervisor.max_restarts", "is negative", "use 0 or more")
-        _require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
-        _require(self.max_allocations >= 0, "supervisor.max_allocations", "is negative", "use 0 (no cap) or more")
-        _require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
-        _one_of(self.standby, ("off", "buffers", "all"), "supervisor.standby")
-        _require(self.exit_grace_s > 0, "supervisor.exit_grace_s", "must be positive", "use seconds, e.g. 3")
+        require(self.hang_timeout_s > 0, "supervisor.hang_timeout_s", "must be positive", "use seconds, e.g. 120")
+        require(self.max_restarts >= 0, "supervisor.max_restarts", "is negative", "use 0 or more")
+        require(self.max_resubmits >= 0, "supervisor.max_resubmits", "is negative", "use 0 or more")
+        require(self.max_allocations >= 0, "supervisor.max_allocations", "is negative", "use 0 (no cap) or more")
+        require(self.poll_s > 0, "supervisor.poll_s", "must be positive", "use e.g. 0.5")
+        one_of(self.standby, ("off", "buffers", "all"), "supervisor.standby")
+        require(self.exit_grace_s > 0, "supervisor.exit_grace_s", "must be positive", "use seconds, e.g. 3")
 
 
 @dataclass
@@ -463,7 +417,7 @@ def check_run_name(name: str) -> None:
     """The run's directory name: one path component. Also checked on the command line, before Hydra creates the
     directory."""
     bad = set(name) & set("/\\\0") or name in ("", ".", "..")
-    _require(not bad, "run.name", f"{name!r} is not a valid directory name", "use letters, digits, - and _")
+    require(not bad, "run.name", f"{name!r} is not a valid directory name", "use letters, digits, - and _")
 
 
 @dataclass
@@ -482,80 +436,3 @@ class RootConfig:
 
     def __post_init__(self) -> None:
         validate_cross(self)
-
-
-def validate_cross(cfg: RootConfig) -> None:
-    """Checks that involve more than one group. Pure; raises ConfigError."""
-    if cfg.render_sbatch is not None:
-        _one_of(cfg.render_sbatch, ("run", "preflight"), "render_sbatch")
-    m, p, t, c = cfg.model, cfg.parallel, cfg.train, cfg.cluster
-    if m.kind == "moe":
-        _require(
-            m.moe.num_experts % p.ep == 0,
-            "parallel.ep",
-            f"{m.moe.num_experts} experts cannot be split over ep={p.ep}",
-            f"choose ep dividing model.moe.num_experts ({m.moe.num_experts})",
-        )
-    else:
-        _require(p.ep == 1, "parallel.ep", f"got {p.ep} for a dense model", "use parallel.ep=1 with model.kind=dense")
-    _require(
-        m.n_layers % p.pp == 0 or p.pp <= m.n_layers,
-        "parallel.pp",
-        f"pp={p.pp} exceeds n_layers={m.n_layers}",
-        "use pp <= model.n_layers",
-    )
-    world = c.nodes * c.tasks_per_node
-    _require(
-        p.world_size == world,
-        "parallel.dp",
-        f"dp*ep*pp = {p.dp}*{p.ep}*{p.pp} = {p.world_size} but the cluster gives "
-        f"cluster.nodes*cluster.tasks_per_node = {c.nodes}*{c.tasks_per_node} = {world} ranks",
-        "make parallel.dp * parallel.ep * parallel.pp equal cluster.nodes * cluster.tasks_per_node",
-    )
-    # EP ranks read different tokens (they are data-parallel for everything but the experts)
-    per_step = p.dp * p.ep * t.micro_batch_size
-    _require(
-        t.global_batch_size % per_step == 0,
-        "train.global_batch_size",
-        f"{t.global_batch_size} is not a multiple of parallel.dp*parallel.ep*train.micro_batch_size = {per_step}",
-        f"use a multiple of {per_step}",
-    )
-    _require(
-        t.seq_len <= m.max_seq_len,
-        "train.seq_len",
-        f"{t.seq_len} is above the model's max_seq_len={m.max_seq_len}",
-        "lower train.seq_len or raise model.max_seq_len",
-    )
-    fi = t.fault_injection
-    if fi.kind is not None:
-        _require(0 <= fi.rank < p.world_size, "train.fault_injection.rank", f"rank {fi.rank} does not exist",
-                 f"use 0..{p.world_size - 1}")
-    if c.kind == "slurm":
-        interval_min = 0.0
-        _require(
-            c.time_limit_min > interval_min,
-            "cluster.time_limit_min",
-            "too short for one checkpoint interval",
-            "raise the time limit",
-        )
-    if p.pp > 1:
-        _require(
-            p.microbatches >= p.pp or p.pp_schedule == "gpipe",
-            "parallel.microbatches",
-            f"{p.microbatches} micro-batches cannot fill {p.pp} pipeline stages",
-            f"use parallel.microbatches >= {p.pp}",
-        )
-    if p.pp_virtual_stages > 1:
-        _require(p.pp_schedule == "interleaved", "parallel.pp_virtual_stages", "needs the interleaved schedule",
-                 "set parallel.pp_schedule=interleaved or pp_virtual_stages=1")
-    if p.pp > 1:
-        # the pipeline's micro-batches are the gradient-accumulation micro-batches of train.micro_batch_size sequences
-        accum = t.global_batch_size // per_step
-        _require(p.microbatches == accum, "parallel.microbatches",
-                 f"{p.microbatches}, but train.global_batch_size / (dp*ep*train.micro_batch_size) = {accum} "
-                 "micro-batches run through each pipeline per step",
-                 f"set parallel.microbatches={accum} or change train.micro_batch_size / global_batch_size")
-        if not p.pp_split:
-            chunks = p.pp * p.pp_virtual_stages
-            _require(m.n_layers >= chunks, "parallel.pp", f"{m.n_layers} layers cannot fill pp*pp_virtual_stages = "
-                     f"{chunks} chunks", "lower parallel.pp / pp_virtual_stages, or give parallel.pp_split")
