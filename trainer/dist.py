@@ -131,5 +131,9 @@ class Comm:
 
 
 def shutdown() -> None:
+    """Leave together: the rank that hosts the rendezvous store must not exit while a peer still talks to it (a
+    peer that loses the store mid-call aborts, which the supervisor would read as a node failure)."""
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

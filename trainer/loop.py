@@ -456,7 +456,7 @@ class Trainer:
             if sink is not None:
                 sink.log(self._record(done, verdict.mean_P, grad_norm, lr, dt, per_layer, counts_LE))
         self._test_sleep()
-        stop = verdict.stop
+        stop = verdict.stop and done < t.steps  # a warning during the final step: the normal end takes over
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
         model_only = bool(t.model_ckpt_interval and done % t.model_ckpt_interval == 0)
         if full or model_only:
