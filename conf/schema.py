@@ -211,6 +211,10 @@ class TrainConfig:
     param_dtype: str = "auto"
     ckpt_interval: int = 20  # dual alternating full checkpoints every N steps (0 disables)
     model_ckpt_interval: int = 0  # persistent model-only checkpoints every M steps (0 disables)
+    # a full checkpoint falls due while the previous one is still being written (in the background): wait (training
+    # blocks until it is durable, every checkpoint is taken) | skip (training goes on; the next due one is taken and
+    # the journal notes the skipped step). A preemption / time-limit checkpoint and the final one always wait
+    ckpt_when_busy: str = "wait"
     # after a start from a model-only checkpoint (model.init_from=ckpt:, or a spike rollback) with its fresh
     # optimizer: the learning rate ramps up linearly over this many steps (0: the schedule's own value at once)
     rewarmup_steps: int = 0
@@ -255,6 +259,7 @@ class TrainConfig:
                  "set train.dtype=bf16 (or auto on GPU), or train.param_dtype=fp32 / auto")
         require(self.ckpt_interval >= 0, "train.ckpt_interval", "is negative", "use 0 to disable or a step count")
         require(self.model_ckpt_interval >= 0, "train.model_ckpt_interval", "is negative", "use 0 or a step count")
+        one_of(self.ckpt_when_busy, ("wait", "skip"), "train.ckpt_when_busy")
         require(self.rewarmup_steps >= 0, "train.rewarmup_steps", "is negative", "use 0 or a step count")
         require(0 < self.max_memory_fraction <= 1, "train.max_memory_fraction", f"got {self.max_memory_fraction}",
                  "use a fraction in (0, 1], e.g. 0.9")

@@ -425,7 +425,8 @@ class Trainer:
         if self.phases.pending:
             self.phases.first_backward_done(self.run_dir, write=self.rank == 0)
         local_norm = self.optimizer.local_grad_norm()  # over the flat gradient buffers; reused as the global norm
-        verdict = agree(self.comm, self.rank, self.groups.world_size, local_P, local_norm, self.stop_requested)
+        verdict = agree(self.comm, self.rank, self.groups.world_size, local_P, local_norm, self.stop_requested,
+                        self.ckpt.persisting)
         dt = self._step_time(t0)
         if verdict.faulty:
             what = faults.local_fault(float(local_P[0]), float(local_norm)) if self.rank in verdict.faulty else None
@@ -458,6 +459,8 @@ class Trainer:
         self._test_sleep()
         stop = verdict.stop and done < t.steps  # a warning during the final step: the normal end takes over
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
+        if full and not stop and verdict.persisting and t.ckpt_when_busy == "skip":
+            full = self._skip_checkpoint(done)
         model_only = bool(t.model_ckpt_interval and done % t.model_ckpt_interval == 0)
         if full or model_only:
             code = self._save_checkpoints(done, full, model_only)
@@ -655,6 +658,14 @@ class Trainer:
             position=self._position(done) if model_only else None)
         write_heartbeat(self.run_dir, self.rank, done, self.host)  # waiting for a slow persist is no hang
         return None if reason is None else self._stop_checkpoint_write(done, reason)
+
+    def _skip_checkpoint(self, done: int) -> bool:
+        """train.ckpt_when_busy=skip: the previous checkpoint was still being written on some rank when this step's
+        verdict was reduced, so every rank skips this one (returns False: no full checkpoint now)."""
+        if self.rank == 0:
+            journal_event(self.run_dir, "info", [], message=f"checkpoint of step {done} skipped: the previous one "
+                          f"(step {self.ckpt.requested_step}) is still being written", skipped_checkpoint=done)
+        return False
 
     def _position(self, done: int) -> dict:
         """Where a run restarted from this step's model checkpoint continues: the data position (and the batches

@@ -30,3 +30,12 @@ def test_nan_loss_flags_the_rank_and_a_clean_step_flags_none():
     assert nan.faulty == [1] and not nan.stop
     clean = agree(Comm(), 0, 1, _parts(1.0), torch.tensor(1.0), stop=False)  # a single process: no group needed
     assert clean.faulty == [] and not clean.stop and float(clean.mean_P[0]) == 1.0
+
+
+def test_one_rank_still_persisting_makes_every_rank_see_it():
+    world = 2
+    verdict = unpack(pack(0, world, _parts(1.0), torch.tensor(1.0), False, persisting=False) +
+                     pack(1, world, _parts(1.0), torch.tensor(1.0), False, persisting=True), world)
+    assert verdict.persisting and not verdict.stop and verdict.faulty == []
+    idle = agree(Comm(), 0, 1, _parts(1.0), torch.tensor(1.0), stop=False)
+    assert not idle.persisting

@@ -21,6 +21,7 @@ path and the error (the older slot untouched).
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,6 +34,7 @@ from moe_launch.trainer.checkpoint.store import checkpoint_bytes, next_slot
 from moe_launch.trainer.tracking.steplog import LOGGER
 
 log = logging.getLogger(LOGGER)
+SLOW_STALL_S = 1.0  # a checkpoint that blocks training longer than this says how to avoid it (once per process)
 MAX_FAILED_PERSISTS = 2  # in a row; one failure can be a transient (a full scratch disk cleaned up meanwhile)
 
 
@@ -60,6 +62,7 @@ class CheckpointManager:
         self.failures: list[PersistResult] = []
         self.writer = AsyncCheckpointer(device, checkpoint_comm(device), self._journal)
         self._pending_slot: Optional[str] = None
+        self._warned_stall = False
 
     @property
     def pinned_bytes(self) -> int:
@@ -75,10 +78,15 @@ class CheckpointManager:
     def fence(self) -> None:
         self.writer.fence()
 
+    @property
+    def persisting(self) -> bool:
+        return self.writer.busy
+
     def save(self, done: int, full: bool, model_only: bool, state: Callable[[list[str]], dict[str, Any]],
              position: Optional[dict] = None) -> Optional[str]:
         """Start the checkpoints due at step `done`; a stop reason if persisting keeps failing. `position`: what a
         model-only checkpoint records beside the model config (data position and schedule at `done`)."""
+        t0 = time.perf_counter()
         reason = self._absorb(self.writer.wait())
         if reason is not None or not (full or model_only):
             return reason
@@ -95,7 +103,12 @@ class CheckpointManager:
             targets.append(Target(self.run_dir.checkpoints / f"model-step-{done}", self._builders(model_rels),
                                   meta={"model": self.model_meta, **(position or {})}, model_only=True))
             rels += [r for r in model_rels if r not in rels]
-        self.writer.request(done, targets, state(rels))
+        stall_s, _ = self.writer.request(done, targets, state(rels), since=t0)
+        if stall_s > SLOW_STALL_S and self.leader and not self._warned_stall:
+            self._warned_stall = True
+            log.warning(f"the checkpoint of step {done} blocked training for {stall_s:.1f} s, waiting for the previous "
+                        "one to be written; raise train.ckpt_interval above the time a checkpoint takes to become "
+                        "durable (journal: durable_s), or set train.ckpt_when_busy=skip")
         return None
 
     def finish(self) -> Optional[str]:

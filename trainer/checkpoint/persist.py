@@ -82,12 +82,19 @@ class AsyncCheckpointer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
-    def request(self, step: int, targets: list[Target], state: dict[str, Any]) -> tuple[float, Optional[PersistResult]]:
+    @property
+    def busy(self) -> bool:
+        """The background write is still running (in_flight stays true until its result is taken)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def request(self, step: int, targets: list[Target], state: dict[str, Any],
+                since: Optional[float] = None) -> tuple[float, Optional[PersistResult]]:
         """Capture `state` and persist it to `targets` in the background. Returns (stall_s, the previous persist's
-        result if one was still in flight or unread)."""
+        result if one was still in flight or unread). `since`: the perf_counter at which the caller began waiting
+        for the previous persist itself (its wait counts in stall_s and waited_s)."""
         if self.closed:
             raise RuntimeError("checkpoint request after close()")
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if since is None else since
         previous = self.wait()
         waited_s = time.perf_counter() - t0
         host = self.snapshot.capture(state, step)

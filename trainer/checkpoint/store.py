@@ -106,17 +106,27 @@ def _libc_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
 
 _start_writeback = _libc_sync_file_range()
 _WRITE_CHUNK = 1 << 26  # bytes per write(): the digest and the disk's writeback follow the serialiser closely
+_THREADED_WRITE = 1 << 20
 
 
 class _DigestingFile:
     """The file object torch.save writes into: every chunk (a memoryview of the tensor's own host memory, no copy)
-    is hashed and written straight through, so serialisation, digest and write are one pass. Each chunk's
-    writeback is started at once: left to the kernel it would wait until gigabytes are dirty (or 30 s old), leaving
-    the disk idle while the page cache fills, and the final fsync would then wait for all of it."""
+    is hashed and written straight through, so serialisation, digest and write are one pass. The write of a chunk
+    runs on `writer` while this thread hashes it (both release the GIL), so the digest costs no disk time. Each
+    chunk's writeback is started at once: left to the kernel it would wait until gigabytes are dirty (or 30 s old),
+    leaving the disk idle while the page cache fills, and the final fsync would then wait for all of it."""
 
-    def __init__(self, fd: int, algo: str):
-        self.fd, self.hasher, self.nbytes = fd, new_hasher(algo), 0
+    def __init__(self, fd: int, algo: str, writer: ThreadPoolExecutor):
+        self.fd, self.hasher, self.nbytes, self.writer = fd, new_hasher(algo), 0, writer
         self.error: Optional[OSError] = None  # the first write error; torch.save's own cleanup would mask it
+
+    def _write_all(self, chunk: memoryview) -> int:
+        done = 0
+        while done < len(chunk):
+            done += os.write(self.fd, chunk[done:])
+        if _start_writeback is not None:
+            _start_writeback(self.fd, self.nbytes, done)
+        return done
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -125,13 +135,13 @@ class _DigestingFile:
         try:
             for lo in range(0, len(view), _WRITE_CHUNK):
                 chunk = view[lo : lo + _WRITE_CHUNK]
+                if len(chunk) < _THREADED_WRITE:  # zip headers, small tensors: a hand-off would cost more
+                    self.hasher.update(chunk)
+                    self.nbytes += self._write_all(chunk)
+                    continue
+                written = self.writer.submit(self._write_all, chunk)
                 self.hasher.update(chunk)
-                done = 0
-                while done < len(chunk):
-                    done += os.write(self.fd, chunk[done:])
-                if _start_writeback is not None:
-                    _start_writeback(self.fd, self.nbytes, done)
-                self.nbytes += done
+                self.nbytes += written.result()  # before returning: torch.save may reuse `data`'s memory
         except OSError as e:
             self.error = e
             raise
@@ -168,21 +178,26 @@ def write_file(path: Path, obj: Any, algo: str = DIGEST, fsync: bool = True) -> 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        out = _DigestingFile(fd, algo)
-        try:
-            with _no_zip_crc():
-                torch.save(obj, out)
-        except Exception:
-            if out.error is not None:
-                raise out.error from None
-            raise
-        if out.error is not None:
-            raise out.error
+        with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-write") as writer:
+            out = _DigestingFile(fd, algo, writer)
+            _serialise(obj, out)
         if fsync:
             os.fsync(fd)
     finally:
         os.close(fd)
     return {algo: out.hasher.hexdigest(), "bytes": out.nbytes}
+
+
+def _serialise(obj: Any, out: _DigestingFile) -> None:
+    try:
+        with _no_zip_crc():
+            torch.save(obj, out)
+    except Exception:
+        if out.error is not None:
+            raise out.error from None
+        raise
+    if out.error is not None:
+        raise out.error
 
 
 def fsync_file(path: Path) -> None:
