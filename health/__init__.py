@@ -7,7 +7,8 @@ One concept per module:
   alltoall.py    all_to_all_single bandwidth (algbw/busbw as nccl-tests) and #wrong; the per-rank worker
   baselines.py   stored baselines per (cluster, nodes, ranks/node, bytes, backend) and per GPU model; judging
   isolate.py     which node(s) made a group's all-to-all fail (binary splitting + anchor pairs); pure
-  exec.py        health tasks on nodes: srun, or the local cluster's launcher (orchestrator/local_cluster.py)
+  exec.py        health tasks on nodes: srun (argv from orchestrator/srun.py, the one srun builder), or the local
+                 cluster's launcher (orchestrator/local_cluster.py)
   node_check.py  the per-node task (DCGM + compute)
   preflight.py   run_preflight(nodes, health_cfg, cluster_cfg, out_dir, run_name) -> PreflightResult
   store.py       per-cluster history (JSON lines) and quarantine

@@ -1,13 +1,14 @@
 """Running health tasks on nodes, through the orchestrator's launchers.
 
 cluster.kind == "slurm": `srun` with --nodelist (a step of the current allocation when SLURM_JOB_ID is set, else a
-  short allocation of its own; `--immediate` so a down or busy node fails fast instead of pending forever).
+  short allocation of its own; `--immediate` so a down or busy node fails fast instead of pending forever). The argv
+  comes from orchestrator/srun.py, the one srun builder that also starts the trainer step and the node probes.
 cluster.kind == "local": nodes are names (local1..localN); their tasks are started by the local cluster's launcher
   (orchestrator/local_cluster.LocalStep, the one that runs the trainer): MOE_LAUNCH_NODE=<name>, rank environment,
   kill-on-bad-exit. Nodes that share a GPU run their per-node checks one after another (local_gpus.py).
 
-The srun prefix is built by a pure function (`srun_argv`) and unit-tested; `run_per_node` and `run_ranks` are the thin
-side-effecting wrappers.
+`health_srun_argv` is pure (health's choices: job name, --immediate, a time limit from the timeout) and unit-tested;
+`run_per_node` and `run_ranks` are the thin side-effecting wrappers.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Optional
 from moe_launch.conf.schema import ClusterConfig
 from moe_launch.orchestrator.backend import Step, free_port
 from moe_launch.orchestrator.local_gpus import preflight_waves, visible_gpus
+from moe_launch.orchestrator.srun import NewAllocation, srun_argv
 
 
 @dataclass
@@ -52,27 +54,17 @@ def in_allocation() -> bool:
     return bool(os.environ.get("SLURM_JOB_ID"))
 
 
-def srun_argv(cluster: ClusterConfig, nodes: list[str], tasks_per_node: int, timeout_s: float,
-              inside_allocation: bool) -> list[str]:
-    """Pure: the srun prefix that runs `tasks_per_node` tasks on each of `nodes`."""
-    argv = [
-        "srun", f"--nodes={len(nodes)}", f"--ntasks={len(nodes) * tasks_per_node}",
-        f"--ntasks-per-node={tasks_per_node}", f"--nodelist={','.join(nodes)}",
-        f"--cpus-per-task={cluster.cpus_per_task}",
-        "--kill-on-bad-exit=1", "--job-name=moe-health", "--export=ALL",
-    ]
-    if inside_allocation:
-        argv.append("--overlap")  # health steps never queue behind a running step of the same allocation
-    else:
-        minutes = max(1, int(timeout_s // 60) + 1)
-        argv += ["--immediate=30", f"--time={minutes}"]
-        for key in ("partition", "account", "qos"):
-            value = getattr(cluster, key)
-            if value:
-                argv.append(f"--{key}={value}")
-    if cluster.gpus_per_node:
-        argv.append(f"--gpus-per-node={cluster.gpus_per_node}")
-    return argv
+def health_srun_argv(cluster: ClusterConfig, nodes: list[str], tasks_per_node: int, timeout_s: float,
+                     inside_allocation: bool) -> list[str]:
+    """Pure: the srun prefix (orchestrator/srun.py) that runs `tasks_per_node` health tasks on each of `nodes`.
+    Inside an allocation a step of it (--overlap: health steps never queue behind a running step of the same
+    allocation); outside, a short allocation of its own that gives up after 30 s on a down or busy node."""
+    own = None if inside_allocation else NewAllocation(
+        time_min=max(1, int(timeout_s // 60) + 1), immediate_s=30,
+        partition=cluster.partition, account=cluster.account, qos=cluster.qos)
+    return srun_argv(nodes, tasks_per_node, "moe-health", overlap=inside_allocation, new_allocation=own,
+                     cpus_per_task=cluster.cpus_per_task, gpus_per_node=cluster.gpus_per_node,
+                     kill_on_bad_exit=True, export_all=True)
 
 
 class _Task:
@@ -132,7 +124,8 @@ def run_per_node(nodes: list[str], argv: list[str], cluster: ClusterConfig, time
     """One task per node, all nodes in parallel, each in its own srun (a dead node fails only its own task)."""
     env = dict(env or {})
     if cluster.kind == "slurm":
-        procs = {node: _start(srun_argv(cluster, [node], 1, timeout_s, in_allocation()) + argv, env) for node in nodes}
+        inside = in_allocation()
+        procs = {node: _start(health_srun_argv(cluster, [node], 1, timeout_s, inside) + argv, env) for node in nodes}
         return _collect(procs, timeout_s)
     # local "nodes" share this machine's GPUs: nodes that share one are checked one after another
     out: dict[str, TaskOutcome] = {}
@@ -153,7 +146,7 @@ def run_ranks(nodes: list[str], tasks_per_node: int, argv: list[str], cluster: C
     name = "+".join(nodes)
     port = free_port()
     if cluster.kind == "slurm":
-        prefix = srun_argv(cluster, nodes, tasks_per_node, timeout_s, in_allocation())
+        prefix = health_srun_argv(cluster, nodes, tasks_per_node, timeout_s, in_allocation())
         env.update(MASTER_ADDR=nodes[0], MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         return _collect({name: _start(prefix + argv, env)}, timeout_s)[name]
     step, logs = _local_step(tuple(nodes), tasks_per_node, argv, {**env, "MASTER_PORT": str(port)})

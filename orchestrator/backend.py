@@ -1,7 +1,9 @@
 """What the supervisor needs from a cluster, whichever kind: the allocation's nodes, and trainer steps.
 
 Two implementations: local_cluster.py (groups of local processes stand in for nodes) and slurm.py (srun steps inside
-the allocation). The supervisor only talks to these two small interfaces.
+the allocation). The supervisor only talks to these two small interfaces. Every srun command line (trainer step,
+node probe, health task of health/exec.py) is built by one pure function, srun.srun_argv; local health tasks run
+through local_cluster.LocalStep, the launcher of the local trainer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Thin wrappers around the Slurm CLI: the login side (partition facts, sbatch, job state) and, inside the allocation,
-trainer steps (`srun`) and the allocation's current node list (`scontrol show job`, never $SLURM_JOB_NODELIST: a
-failed node leaves a --no-kill allocation while the variable still names it).
+trainer steps and probe steps (`srun`; its argv comes from srun.py, the one srun builder) and the allocation's
+current node list (`scontrol show job`, never $SLURM_JOB_NODELIST: a failed node leaves a --no-kill allocation while
+the variable still names it).
 
 Every call takes an argument list and a timeout. Parsers are pure and tested on captured output. Answers that say the
 controller cannot be reached (a slurmctld restart or failover) are not errors of the call: callers give a retry window
@@ -27,6 +28,7 @@ from moe_launch.conf.schema import ClusterConfig
 from moe_launch.errors import SubmissionError
 from moe_launch.orchestrator.backend import StepResult
 from moe_launch.orchestrator.plan import PartitionInfo
+from moe_launch.orchestrator.srun import srun_argv
 
 _TIMEOUT_S = 30.0
 _BAD_STATES = ("down", "drain", "fail", "inval", "maint", "unknown", "future", "powered_down", "not_responding")
@@ -188,14 +190,24 @@ def cancel(job_id: str, signal_name: Optional[str] = None, retry_s: float = 0.0)
 
 # ---- inside the allocation ------------------------------------------------------------------------------------------
 
+def probe_argv(job_id: str, node: str) -> list[str]:
+    """Pure: the probe step on `node` (--overlap: it must not queue behind the trainer step holding the CPUs)."""
+    return srun_argv([node], 1, "moe-probe", job_id=job_id, overlap=True) + ["echo", "moe-probe-ok"]
+
+
+def step_argv(job_id: str, nodes: tuple[str, ...], name: str, cluster: ClusterConfig) -> list[str]:
+    """Pure: the srun prefix of a trainer step. --overlap: the step of a failed node can linger until Slurm's node
+    timeout; the next step does not wait for its CPUs."""
+    return srun_argv(nodes, cluster.tasks_per_node, name, job_id=job_id, overlap=True,
+                     cpus_per_task=cluster.cpus_per_task, gpus_per_node=cluster.gpus_per_node, kill_on_bad_exit=True)
+
+
 def probe_nodes(job_id: str, nodes: tuple[str, ...], timeout_s: float) -> set[str]:
     """The nodes among `nodes` that run a trivial step within timeout_s (in parallel). Slurm's own verdict on a dead
     node takes its node timeout (~25-30 s here); a step launch on it simply never succeeds. A probe that could not
     reach the controller says nothing about its node, which then counts as alive."""
-    procs = {n: subprocess.Popen(["srun", f"--jobid={job_id}", "--overlap", f"--nodelist={n}", "--nodes=1",
-                                  "--ntasks=1", "--job-name=moe-probe", "echo", "moe-probe-ok"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
+    procs = {n: subprocess.Popen(probe_argv(job_id, n), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
              for n in nodes}
     deadline = time.monotonic() + timeout_s
     alive: set[str] = set()
@@ -235,18 +247,11 @@ class SlurmStep:
         self.retry_s = cluster.controller_retry_s
         self.retry_delays = backoff_delays(cluster.controller_retry_s)
         self.respawn_at: Optional[float] = None
-        srun = ["srun", f"--nodelist={','.join(nodes)}", f"--nodes={len(nodes)}",
-                f"--ntasks={len(nodes) * cluster.tasks_per_node}", f"--ntasks-per-node={cluster.tasks_per_node}",
-                f"--cpus-per-task={cluster.cpus_per_task}", "--kill-on-bad-exit=1",
-                # the step of a failed node can linger until Slurm's node timeout; do not wait for its CPUs
-                "--overlap", f"--job-name={self.name}", f"--jobid={job_id}"]
-        if cluster.gpus_per_node:
-            srun.append(f"--gpus-per-node={cluster.gpus_per_node}")
         penv = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         penv.update(env)
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log = open(log_dir / "srun.log", "ab")
-        self.argv, self.env = srun + list(argv), penv
+        self.argv, self.env = step_argv(job_id, nodes, self.name, cluster) + list(argv), penv
         self._spawn()
         self.dead: list[str] = []
         self.reported: dict[str, str] = {}

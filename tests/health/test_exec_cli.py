@@ -8,18 +8,18 @@ from moe_launch.conf.schema import ClusterConfig
 from moe_launch.errors import ConfigError
 from moe_launch.health.cli import expand_nodes, load_configs
 from moe_launch.health.cli import main as health_cli
-from moe_launch.health.exec import run_per_node, run_ranks, srun_argv
+from moe_launch.health.exec import health_srun_argv, run_per_node, run_ranks
 
 
 def test_srun_argv_outside_and_inside_an_allocation():
     c = ClusterConfig(kind="slurm", partition="gpu", account="proj", cpus_per_task=4, gpus_per_node=8)
-    outside = srun_argv(c, ["node1", "node2"], 8, timeout_s=300, inside_allocation=False)
+    outside = health_srun_argv(c, ["node1", "node2"], 8, timeout_s=300, inside_allocation=False)
     assert outside[:5] == ["srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--nodelist=node1,node2"]
     for arg in ("--immediate=30", "--time=6", "--partition=gpu", "--account=proj", "--cpus-per-task=4",
                 "--gpus-per-node=8", "--kill-on-bad-exit=1"):
         assert arg in outside
     assert "--qos" not in " ".join(outside) and "--overlap" not in outside
-    inside = srun_argv(c, ["node3"], 1, timeout_s=30, inside_allocation=True)
+    inside = health_srun_argv(c, ["node3"], 1, timeout_s=30, inside_allocation=True)
     assert "--overlap" in inside and not any(a.startswith(("--immediate", "--partition", "--time")) for a in inside)
 
 
