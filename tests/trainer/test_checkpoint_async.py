@@ -14,7 +14,7 @@ from moe_launch.conf.schema import FaultInjection
 from moe_launch.rundir import EXIT_CHECKPOINT_WRITE, EXIT_OK, EXIT_PREEMPTED, read_jsonl
 from moe_launch.trainer.checkpoint.manager import persist_failure_reason
 from moe_launch.trainer.checkpoint.persist import AsyncCheckpointer, PersistResult, Target
-from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot, load_file, verify
+from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot, load_file, room_needed, verify
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.loop import Trainer
 
@@ -142,3 +142,32 @@ def test_preemption_exits_only_once_its_checkpoint_is_durable(tmp_path, data_cac
     written = next(r for r in read_jsonl(rd.journal) if r["kind"] == "checkpoint")
     assert stop["checkpoint"] == "ckpt-a" and written["details"]["step"] == 1 and written["time"] <= \
         next(r["time"] for r in read_jsonl(rd.journal) if r["kind"] == "stop")
+
+
+@pytest.fixture
+def two_checkpoint_disk(tmp_path):
+    """A tmpfs with room for two checkpoints of the tiny model (1.1 MB each) but not three."""
+    disk = tmp_path / "run" / "checkpoints"
+    disk.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2800k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+def test_a_disk_with_room_for_two_checkpoints_replaces_the_older_slot_first(two_checkpoint_disk, data_cache):
+    cfg = tiny_cfg(data_cache)  # checkpoints at steps 2 (a), 4 (b), 6 (a), 8 (b)
+    rd = write_run(two_checkpoint_disk.parent, cfg)
+    assert Trainer(cfg, rd).train() == EXIT_OK
+    journal = read_jsonl(rd.journal)
+    written = [(r["details"]["slot"], r["details"]["step"]) for r in journal
+               if r["kind"] == "checkpoint" and not r["details"].get("failed")]
+    assert written == [("ckpt-a", 2), ("ckpt-b", 4), ("ckpt-a", 6), ("ckpt-b", 8)]
+    choice = choose_resume_slot(rd.checkpoints)
+    assert (choice.path.name, choice.step, choice.fell_back) == ("ckpt-b", 8, False)
+    assert verify(rd.checkpoints / "ckpt-a")[0]
+
+
+def test_room_needed_only_when_the_replacement_would_not_fit():
+    assert room_needed(free_bytes=100 << 20, replaced_bytes=60 << 20)
+    assert not room_needed(free_bytes=1 << 30, replaced_bytes=60 << 20)

@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -42,6 +43,7 @@ import torch
 from moe_launch.errors import CheckpointError
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.host_restore import held_file, held_verified
+from moe_launch.trainer.tracking.steplog import LOGGER
 
 try:
     import xxhash
@@ -217,6 +219,28 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def room_needed(free_bytes: int, replaced_bytes: int) -> bool:
+    """Pure: whether the older slot must go before its replacement is written (the new checkpoint is as large as the
+    one it replaces; a margin for the manifest and the file system's own blocks)."""
+    return free_bytes < replaced_bytes * 1.05 + (64 << 20)
+
+
+def _make_room(final_dir: Path) -> None:
+    """A disk with room for two checkpoints but not three: the slot about to be replaced (never the newest valid
+    one) is removed before the new one is written, not after, so the run goes on with one valid checkpoint during the
+    write instead of failing with ENOSPC. With room to spare the older slot stays until the new one is in place."""
+    if not final_dir.exists():
+        return
+    replaced = checkpoint_bytes(final_dir) or sum(f.stat().st_size for f in final_dir.rglob("*") if f.is_file())
+    free = shutil.disk_usage(final_dir.parent).free
+    if room_needed(free, replaced):
+        logging.getLogger(LOGGER).warning(
+            f"{final_dir.parent}: {free / 1e9:.2f} GB free, a checkpoint takes {replaced / 1e9:.2f} GB: removing "
+            f"the older slot {final_dir.name} before writing its replacement (until then the newest checkpoint is "
+            "the only valid one; give the checkpoint directory room for three to keep both)")
+        shutil.rmtree(final_dir)
+
+
 def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Comm, meta: Optional[dict] = None,
                      after_shards: Optional[Callable[[], None]] = None) -> Path:
     """Collective: every rank of `comm` must call it. `files` are this rank's shards (relpath -> object, or a
@@ -230,6 +254,7 @@ def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Co
     if comm.rank == 0:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
+            _make_room(final_dir)
             tmp.mkdir(parents=True)
         except OSError as e:
             failure = (str(tmp), _describe(e))
