@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -51,14 +53,18 @@ def summarise(run: Run, wall_s: float, code: int) -> dict[str, Any]:
     }
 
 
-def run_once(root: Path, name: str, overrides: list[str], budget_s: float) -> dict[str, Any]:
+def run_once(root: Path, out: Path, name: str, overrides: list[str], budget_s: float) -> dict[str, Any]:
     t0 = time.time()
     run = Run(root, name, overrides)
     try:
         code = run.proc.wait(timeout=budget_s)
-    except Exception:
+    except subprocess.TimeoutExpired:
         run.end()
         code = -1
+    for part in ("metrics.jsonl", "journal.jsonl", "summary.json"):  # the run directory itself is too large to keep
+        if (run.rd / part).exists():
+            shutil.copy(run.rd / part, out / f"{name}-{part}")
+    shutil.copy(root / "moe_launch.log", out / f"{name}-moe_launch.log")
     return summarise(run, time.time() - t0, code)
 
 
@@ -75,9 +81,9 @@ def main() -> int:
     base = COMMON + (CPU if args.cpu_smoke else GPU)
     root = Path(tempfile.mkdtemp(prefix="ckpt-goodput-"))
     rows = {"date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "overrides": base + args.overrides}
-    rows["no_checkpoints"] = run_once(root, "plain", [*base, "train.ckpt_interval=0", *args.overrides],
+    rows["no_checkpoints"] = run_once(root, args.out, "plain", [*base, "train.ckpt_interval=0", *args.overrides],
                                       args.budget_s)
-    rows["checkpoints"] = run_once(root, "ckpt", [*base, f"train.ckpt_interval={args.interval}",
+    rows["checkpoints"] = run_once(root, args.out, "ckpt", [*base, f"train.ckpt_interval={args.interval}",
                                                   f"train.ckpt_when_busy={args.when_busy}", *args.overrides],
                                    args.budget_s)
     plain, ckpt = rows["no_checkpoints"]["tokens_per_s"], rows["checkpoints"]["tokens_per_s"]
