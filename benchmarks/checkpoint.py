@@ -45,7 +45,7 @@ from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.persist import AsyncCheckpointer, Target
 from moe_launch.trainer.checkpoint.store import checkpoint_bytes, choose_resume_slot
 from moe_launch.trainer.dist import Comm
-from moe_launch.trainer.loop import cast_parameters
+from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer

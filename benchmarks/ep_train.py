@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from moe_launch.trainer.compile import compile_model
-from moe_launch.trainer.loop import cast_parameters
+from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers, make_dispatcher
 from moe_launch.trainer.parallel.groups import build_groups

@@ -28,7 +28,7 @@ import torch
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
 from moe_launch.trainer.compile import compile_model
-from moe_launch.trainer.loop import cast_parameters
+from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.parallel.groups import build_groups

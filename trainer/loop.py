@@ -32,9 +32,8 @@ import torch
 
 from moe_launch import rundir
 from moe_launch.conf.schema import RootConfig
-from moe_launch.errors import CheckpointError, ConfigError
+from moe_launch.errors import ConfigError
 from moe_launch.rundir import (
-    EXIT_CHECKPOINT_WRITE,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_SOFT_FAULT,
@@ -43,18 +42,13 @@ from moe_launch.rundir import (
     node_name,
 )
 from moe_launch.trainer import faults
-from moe_launch.trainer.checkpoint import layout as ckpt_layout
-from moe_launch.trainer.checkpoint import relayout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.layout import Coords
-from moe_launch.trainer.checkpoint.manager import CheckpointManager
-from moe_launch.trainer.checkpoint.resume import load_optimizer_resharded, resume_mode
-from moe_launch.trainer.checkpoint.state import FileNames, device_state
-from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot
+from moe_launch.trainer.checkpoint.store import SlotChoice
+from moe_launch.trainer.checkpointing import Checkpointing
 from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
-from moe_launch.trainer.host_restore import is_held
-from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
+from moe_launch.trainer.dtypes import cast_parameters, compute_dtype, param_dtype, set_determinism
 from moe_launch.trainer.metrics import (
     MetricsSink,
     PerfRefs,
@@ -77,19 +71,17 @@ from moe_launch.trainer.moe.skew import (
     worst_case_rows,
 )
 from moe_launch.trainer.optim import clip_norm_at, lr_at, rewarmup_factor
-from moe_launch.trainer.parallel.broadcast import broadcast_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.recompute import apply_recompute
+from moe_launch.trainer.restore import Restore
 from moe_launch.trainer.spike import (
     RollbackState,
     Spike,
     SpikeDetector,
     batch_for_step,
-    checkpoint_data_skips,
-    checkpoint_step,
     judge_spike,
     model_checkpoint_before,
     rollback_applies,
@@ -102,53 +94,7 @@ from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
 log = logging.getLogger(LOGGER)
 
 
-def set_determinism(deterministic: bool, device: torch.device) -> None:
-    """CPU: bitwise repeatable (tested). GPU: needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before CUDA starts, and pins
-    NCCL_ALGO=Ring (__main__ does both). Measured on one H200 (benchmarks/stability.py, RESULTS.md): two 50-step runs,
-    and one interrupted and resumed at step 25, end with bitwise-equal parameters and optimizer state, with the
-    FastSparseMoE kernels and fused AdamW (they use no atomics, so deterministic mode keeps them) as with the
-    reference experts. Caveats: torch raises (warn_only=False) for an op without a deterministic CUDA kernel rather
-    than letting runs drift; a different GPU count, GPU model or library version is outside the guarantee."""
-    torch.use_deterministic_algorithms(deterministic)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = not deterministic
-        torch.backends.cuda.matmul.allow_tf32 = not deterministic
-
-
-def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
-    if setting == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if setting == "bf16" else torch.float32
-
-
-def param_dtype(setting: str, compute: torch.dtype) -> torch.dtype:
-    """The parameters' dtype for `train.param_dtype` given the resolved compute dtype: auto follows the compute dtype
-    (bf16 compute -> bf16 weights, the fp32 master copy lives in the optimizer). The config check can only reject
-    train.dtype=fp32 explicitly; train.dtype=auto resolves to fp32 on CPU, which is caught here."""
-    if setting == "auto":
-        return compute
-    if setting == "bf16" and compute != torch.bfloat16:
-        raise ConfigError("train.param_dtype", "bf16 parameters need bf16 compute, but train.dtype resolves to "
-                          f"{compute} on this device", "set train.dtype=bf16, or train.param_dtype=fp32 / auto")
-    return torch.bfloat16 if setting == "bf16" else torch.float32
-
-
-_SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # torch's dtype names -> train.param_dtype values
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast the parameters only, in place (same Parameter objects: names, flags such as _moe_expert, and whatever
-    holds a reference keep working). Buffers keep their dtype: the rotary cos/sin tables stay fp32."""
-    for p in model.parameters():
-        if p.dtype != dtype and p.requires_grad:  # no-gradient state (the routers' expert bias) keeps its fp32
-            p.data = p.data.to(dtype)
-
-
-class Trainer:
+class Trainer(Restore, Checkpointing):
     def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu"),
                  model: Optional[torch.nn.Module] = None):
         """`model`: built, compiled and run once ahead of time by a warm standby (trainer/standby.py warm_model);
@@ -239,108 +185,6 @@ class Trainer:
         path = resolve_dataset(d, t.seq_len, m.vocab_size)
         return TokenLoader(path, d.format, t.seq_len, t.global_batch_size, self.groups.data_rank,
                            self.groups.data_size, t.seed, vocab_size=m.vocab_size)
-
-    def _choose_resume(self) -> SlotChoice:
-        """Rank 0 verifies the slots (reads every file once) and tells the others."""
-        choice = choose_resume_slot(self.run_dir.checkpoints) if self.rank == 0 else None
-        choice = self.comm.broadcast_object(choice)
-        if self.rank == 0 and choice.rejected:
-            for slot, reason in choice.rejected.items():
-                print(f"[trainer] checkpoint {slot} rejected: {reason}", flush=True)
-        return choice
-
-    def _load_model(self) -> int:
-        """Weights from the resume slot, else from model.init_from=ckpt:..., else the fresh init (identical on every
-        rank by construction). Returns the first step to run."""
-        if self.resume.path is not None:
-            saved = ckpt_state.load_trainer_state(self.resume.path)
-            # CheckpointError unless at most parallel.dp / optimizer_sharding changed (the model files do not
-            # depend on them; the optimizer shards are reassembled in _load_optimizer_and_rng)
-            self._check_param_dtype(saved.get("param_dtype"))
-            self.saved_layout = saved["layout"]
-            self.resume_mode = resume_mode(self.saved_layout, self._layout())
-            self._load_and_broadcast(self.resume.path)
-            if self.rank == 0:
-                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
-                              slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
-                              rejected=self.resume.rejected, attempt=self.attempt,
-                              from_memory=is_held(self.resume.path),
-                              resharded=self.resume_mode != "same")
-            return int(saved["step"])
-        init_from = self.cfg.model.init_from
-        if self.rollback.pending is not None:
-            init_from = f"ckpt:{self.rollback.pending['checkpoint']}"
-        if init_from is not None and init_from.startswith("ckpt:"):
-            # a model-only checkpoint continues at its step: the schedule and the data position are functions of
-            # the step (and of rollback.json's skipped batches); only the optimizer starts afresh
-            path = ckpt_state.verified_model_dir(init_from)
-            self._load_and_broadcast(path)
-            self.restart_step = checkpoint_step(path)
-            # the checkpoint's run may have skipped batches (spike rollbacks): continue its step -> batch map
-            self.rollback.skips = sorted({*self.rollback.skips, *checkpoint_data_skips(path)})
-            if self.rank == 0:
-                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(path), model_only=True,
-                              fresh_optimizer=True, step=self.restart_step, attempt=self.attempt,
-                              rollback=self.rollback.pending is not None)
-            return self.restart_step
-        elif init_from is not None:  # hf:/path, an OLMoE-format save_pretrained directory
-            if self.groups.dp_rank == 0:
-                self._load_hf(hf_path(init_from))
-            broadcast_model(self.model, self.groups)
-            if self.rank == 0:
-                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=init_from, model_only=True,
-                              fresh_optimizer=True, step=0, attempt=self.attempt)
-        return 0
-
-    def _check_param_dtype(self, saved: Optional[str]) -> None:
-        """The optimizer's state is bucketed by parameter dtype, so a full resume needs the saved one (checkpoints of
-        older versions do not say: fp32 parameters then, and a mismatch surfaces as a bucket error)."""
-        mine = _dtype_name(self.param_dtype)
-        if saved is not None and saved != mine:
-            raise ConfigError("train.param_dtype", f"{self.resume.path} was written with {saved} parameters, this run "
-                              f"has {mine}", f"resume with train.param_dtype={_SHORT[saved]}, or start from its "
-                              "weights with a fresh optimizer (model.init_from=ckpt:<a model-step-N checkpoint>)")
-
-    def _load_and_broadcast(self, path) -> None:
-        """Only the first DP member of each (stage, EP rank) reads the files; the others receive the weights.
-        A model-only checkpoint may come from a run with another parallel.pp: load_model reads stage-sharded and
-        unpipelined files alike (the parameter names are the full model's in both)."""
-        if self.groups.dp_rank == 0:
-            if self.resume_mode == "relayout":  # another EP size or PP split: reassembled by parameter name
-                relayout.load_model(path, self.model, self.groups.ep_rank, self.groups.ep_size)
-            else:
-                ckpt_state.load_model(path, self.coords, self.model)
-        broadcast_model(self.model, self.groups)
-
-    def _load_optimizer_and_rng(self, path) -> None:
-        if self.resume_mode in ("reshard", "relayout"):
-            if self.resume_mode == "reshard":
-                load_optimizer_resharded(path, self.optimizer, self.saved_layout)
-            else:
-                relayout.load_optimizer(path, self.optimizer, self.saved_layout)
-            # the saved RNG states belong to the ranks of another world; nothing in a step draws random numbers
-            # (init has its own generators), so the losses do not depend on them
-            return
-        ckpt_state.load_optimizer(path, self.coords, self.optimizer, self.groups)  # replicated: read once per DP group
-        ckpt_state.load_rng(path, self.coords, self.device)
-
-    def _load_hf(self, path) -> None:
-        if self.pipeline is None:
-            load_hf_into_model(self.model, path, self.groups.ep_rank, self.groups.ep_size)
-            return
-        # a stage takes its names out of the whole model's state (same names, see trainer/pipeline/stage.py)
-        sd = hf_state_for_rank(path, self.cfg.model, self.groups.ep_rank, self.groups.ep_size)
-        want = self.model.state_dict().keys()
-        missing = sorted(set(want) - sd.keys())
-        if missing:
-            raise CheckpointError(f"{path}: parameters {missing[:4]} of pipeline stage {self.groups.pp_rank} are not "
-                                  "in the HF checkpoint; check model.* against its config.json")
-        self.model.load_state_dict({k: sd[k] for k in want}, strict=True)
-
-    def _layout(self) -> dict:
-        p = self.cfg.parallel
-        return {"dp": p.dp, "ep": p.ep, "pp": p.pp, "optimizer_sharding": p.optimizer_sharding,
-                "world_size": self.groups.world_size}
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_requested = True
@@ -621,70 +465,3 @@ class Trainer:
         return EXIT_SOFT_FAULT
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
-    def _trainer_state(self, done: int) -> dict:
-        return {"step": done, "data": self.loader.state_dict(), "layout": self._layout(),
-                "model": asdict(self.cfg.model), "param_dtype": _dtype_name(self.param_dtype), "time": time.time(),
-                "spike_history": self.spikes.state_dict() if self.spikes is not None else None}
-
-    def _kill_hook(self, done: int):
-        if self.injection == "kill_during_ckpt" and done >= self.cfg.train.fault_injection.step:
-            return faults.sigkill_self
-        return None
-
-    def _checkpoint_manager(self) -> CheckpointManager:
-        """The dual slots and model checkpoints of this rank's files (trainer/checkpoint/layout.py), written
-        asynchronously."""
-        files, writes = FileNames.of(self.coords), (lambda m: ckpt_layout.writes(self.coords, model_only=m))
-        newest = self.resume.path.name if self.resume.path is not None else None
-        manager = CheckpointManager(self.run_dir, self.device, files, writes, newest, self.start_step, self.rank == 0,
-                                    asdict(self.cfg.model), self._kill_hook)
-        t = self.cfg.train  # the host buffers are pinned in the background while the first steps run
-
-        def reserve() -> None:
-            manager.reserve(bool(t.ckpt_interval), bool(t.model_ckpt_interval), lambda rels: device_state(
-                rels, files, self.model, self.optimizer, self._trainer_state(self.start_step), self.device))
-
-        # pinning holds the CUDA driver for seconds: a cold start overlaps it with compiling (host work); a warm
-        # standby's first step is the recovery's last phase, so there it starts once that step is done
-        self._reserve_after_first_step = reserve if self.prebuilt else None
-        if not self.prebuilt:
-            reserve()
-        return manager
-
-    def _save_checkpoints(self, done: int, full: bool, model_only: bool) -> Optional[int]:
-        """Snapshot now, persist in the background; EXIT_CHECKPOINT_WRITE once persisting keeps failing."""
-        reason = self.ckpt.save(done, full, model_only, lambda rels: device_state(
-            rels, self.ckpt.files, self.model, self.optimizer, self._trainer_state(done), self.device),
-            position=self._position(done) if model_only else None)
-        write_heartbeat(self.run_dir, self.rank, done, self.host)  # waiting for a slow persist is no hang
-        return None if reason is None else self._stop_checkpoint_write(done, reason)
-
-    def _skip_checkpoint(self, done: int) -> bool:
-        """train.ckpt_when_busy=skip: the previous checkpoint was still being written on some rank when this step's
-        verdict was reduced, so every rank skips this one (returns False: no full checkpoint now)."""
-        if self.rank == 0:
-            journal_event(self.run_dir, "info", [], message=f"checkpoint of step {done} skipped: the previous one "
-                          f"(step {self.ckpt.requested_step}) is still being written", skipped_checkpoint=done)
-        return False
-
-    def _position(self, done: int) -> dict:
-        """Where a run restarted from this step's model checkpoint continues: the data position (and the batches
-        skipped so far, which fix the step -> batch map) and the schedule (the learning rate of the next step)."""
-        t = self.cfg.train
-        return {"step": done, "data": self.loader.state_dict(), "data_skips": [list(s) for s in self.rollback.skips],
-                "schedule": {"schedule": t.schedule, "lr": t.lr, "min_lr": t.min_lr, "warmup_steps": t.warmup_steps,
-                             "steps": t.steps, "next_lr": lr_at(done, t)}}
-
-    def _finish_checkpoints(self, code: int) -> int:
-        """Wait until the in-flight checkpoint is durable before exiting with `code`."""
-        reason = self.ckpt.finish()
-        if reason is not None and code == EXIT_OK:
-            return self._stop_checkpoint_write(self.ckpt.last_step, reason)
-        return code
-
-    def _stop_checkpoint_write(self, done: int, reason: str) -> int:
-        if self.rank == 0:
-            log.error(reason)
-            journal_event(self.run_dir, "stop", self.hosts, reason="checkpoint_write", step=done, what=reason,
-                          checkpoint=self.ckpt.newest_slot)
-        return EXIT_CHECKPOINT_WRITE

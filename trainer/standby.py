@@ -217,7 +217,7 @@ def warm_model(cfg: Any, device: Any) -> Any:
     import torch
 
     from moe_launch.trainer.compile import compile_enabled, compile_model
-    from moe_launch.trainer.loop import cast_parameters, compute_dtype, param_dtype, set_determinism
+    from moe_launch.trainer.dtypes import cast_parameters, compute_dtype, param_dtype, set_determinism
     from moe_launch.trainer.model import build_model
     from moe_launch.trainer.recompute import apply_recompute
 

@@ -10,7 +10,7 @@ from pp_harness import spawn
 from pp_training import SEED, TRAIN, M, lr_at, micro_batches, model_cfg
 
 from moe_launch.conf.schema import ParallelConfig
-from moe_launch.trainer.loop import cast_parameters
+from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer

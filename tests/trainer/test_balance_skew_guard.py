@@ -72,8 +72,8 @@ def test_chunked_expert_stage_equals_the_unchunked_one_under_total_skew(max_rows
     # rows are independent: chunking changes the output only by the rounding of smaller matrix products
     torch.testing.assert_close(y1, y0, rtol=0, atol=1e-6)
     torch.testing.assert_close(dx1, dx0, rtol=0, atol=1e-6)
-    for n in g0:
-        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-6)
+    for n in g0:  # a weight gradient sums over all rows: per chunk, then over chunks (another summation order)
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-5)
 
 
 def test_calls_within_the_budget_are_not_chunked():

@@ -12,8 +12,9 @@ from moe_launch.conf.schema import FaultInjection, TrainConfig
 from moe_launch.errors import ConfigError
 from moe_launch.rundir import EXIT_OK, read_jsonl
 from moe_launch.trainer.checkpoint.store import load_file
+from moe_launch.trainer.dtypes import cast_parameters, compute_dtype, param_dtype
 from moe_launch.trainer.faults import InjectedCrash
-from moe_launch.trainer.loop import Trainer, cast_parameters, compute_dtype, param_dtype
+from moe_launch.trainer.loop import Trainer
 from moe_launch.trainer.model import build_model
 
 torch.set_num_threads(1)

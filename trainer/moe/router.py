@@ -79,7 +79,7 @@ class Router(nn.Module):
         if cfg.balance == "aux_free_bias":
             # a Parameter without gradient rather than a buffer: checkpoints, model-only restarts and the DP/EP
             # broadcast carry parameters, and the optimizer skips it (requires_grad=False). Kept fp32 (see
-            # trainer.loop.cast_parameters): its steps are far below bf16's resolution at its magnitude
+            # trainer/dtypes.py cast_parameters): its steps are far below bf16's resolution at its magnitude
             self.expert_bias_E = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.select: Select = {"aux_loss": select_topk, "aux_free_bias": self._select_biased,
                                "sinkhorn": select_sinkhorn}[cfg.balance]
