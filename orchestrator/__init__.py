@@ -10,6 +10,7 @@
   state.py       supervisor state, apply(), replay of journal.jsonl
   watch.py       heartbeats and fault records -> events
   backend.py     the cluster/step interface            local_cluster.py, slurm.py  its two implementations
+  srun.py        the one builder of srun command lines (trainer steps, node probes, health tasks)
   summary.py     summary.json                          report.py   plots of runs (moe-launch report)
   sweep.py       multirun sweeps: one supervised run per combination, the sweep table and sweep_summary.json
 """
