@@ -74,8 +74,9 @@ def drop_caches() -> bool:
         return False
 
 
-def build_state(smoke: bool, device: torch.device):
-    model_cfg = dataclasses.replace(presets.MODELS["tiny_moe" if smoke else "olmoe_1b7b"], n_layers=2 if smoke else 4)
+def build_state(smoke: bool, device: torch.device, layers: int = 4):
+    model_cfg = dataclasses.replace(presets.MODELS["tiny_moe" if smoke else "olmoe_1b7b"],
+                                    n_layers=2 if smoke else layers)
     parallel = ParallelConfig()
     groups = build_groups(parallel)
     torch.manual_seed(0)
@@ -207,7 +208,8 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def dcp_runs(root: Path, model, opt, device: torch.device, disk_write_gbs: float, disk_read_gbs: float) -> None:
+def dcp_runs(root: Path, model, opt, device: torch.device, disk_write_gbs: float, disk_read_gbs: float,
+             with_async: bool = True) -> None:
     import torch.distributed.checkpoint as dcp
 
     sd = dcp_state(model, opt)
@@ -215,6 +217,9 @@ def dcp_runs(root: Path, model, opt, device: torch.device, disk_write_gbs: float
     t0 = time.perf_counter()
     dcp.save(sd, checkpoint_id=str(path), no_dist=True)
     emit(what="dcp_sync_save", seconds=round(time.perf_counter() - t0, 2), bytes=dir_bytes(path))
+    if not with_async:  # dcp.load reads the synchronous save instead
+        dcp_load(sd, path, device, disk_read_gbs)
+        return
     shutil.rmtree(path)
 
     path = root / "dcp-async"
@@ -243,6 +248,13 @@ def dcp_runs(root: Path, model, opt, device: torch.device, disk_write_gbs: float
     if stager is not None:
         stager.close()
 
+    dcp_load(sd, path, device, disk_read_gbs)
+
+
+def dcp_load(sd: dict[str, torch.Tensor], path: Path, device: torch.device, disk_read_gbs: float) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    nbytes = dir_bytes(path)
     dropped = drop_caches()
     t0 = time.perf_counter()
     dcp.load(sd, checkpoint_id=str(path), no_dist=True)
@@ -280,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint directory (default: under --out)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the script, measures nothing")
     ap.add_argument("--skip-dcp", action="store_true", help="ours only (the DCP rows of an earlier run stand)")
+    ap.add_argument("--skip-dcp-async", action="store_true", help="DCP: the synchronous save and dcp.load only")
+    ap.add_argument("--layers", type=int, default=4, help="model.n_layers of the OLMoE-1B-7B state")
     args = ap.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() and not args.smoke else torch.device("cpu")
     root = args.dir or args.out / "ckpt"
@@ -288,14 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     emit(what="env", torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
          cpus=os.cpu_count(), date=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
          disk=subprocess.run(["df", "-h", str(root)], capture_output=True, text=True).stdout.splitlines()[-1])
-    model, opt, coords = build_state(args.smoke, device)
+    model, opt, coords = build_state(args.smoke, device, args.layers)
     write_gbs, read_gbs = disk_bound(root, (1 << 22) if args.smoke else (4 << 30), device)
     load = MatmulLoad(device, 256 if args.smoke else 8192)
     slot = ours(root, model, opt, coords, device, load, write_gbs)
     restore_ours(root, model, opt, coords, device, read_gbs)
     shutil.rmtree(slot)
     if not args.skip_dcp:
-        dcp_runs(root, model, opt, device, write_gbs, read_gbs)
+        dcp_runs(root, model, opt, device, write_gbs, read_gbs, with_async=not args.skip_dcp_async)
     (args.out / "checkpoint.json").write_text(json.dumps(ROWS, indent=1))
     print(table(), flush=True)
     return 0

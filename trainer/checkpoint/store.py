@@ -16,8 +16,8 @@ A directory without a verifying manifest is never used, so a crash or a write er
 content of every OTHER directory intact. The dual slots (ckpt-a / ckpt-b) rely on this: a new checkpoint always goes
 into the slot that does NOT hold the newest valid checkpoint, so the newest valid one survives any crash.
 
-Digest: xxh3-64 (python-xxhash, several GB/s) or zlib's crc32 where xxhash is not installed; the manifest names the
-algorithm per file, and `verify` also accepts sha256 manifests.
+Digests (checkpoint/digest.py): one per 256 MiB segment of each file, xxh3-64 (or crc32 without python-xxhash),
+computed as the bytes stream out; `verify` checks a slot's segments with several reader threads at once.
 """
 
 from __future__ import annotations
@@ -25,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import hashlib
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,20 +39,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from moe_launch.errors import CheckpointError
+from moe_launch.trainer.checkpoint.digest import DIGEST, SegmentedDigest, verify_files
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.host_restore import held_file, held_verified
 from moe_launch.trainer.tracking.steplog import LOGGER
 
-try:
-    import xxhash
-except ImportError:  # the slower fallback below
-    xxhash = None
-
 MANIFEST = "manifest.json"
 SLOTS = ("ckpt-a", "ckpt-b")
 FORMAT_VERSION = 1
-DIGEST = "xxh3_64" if xxhash is not None else "crc32"
-_READ_CHUNK = 1 << 26
 
 
 class CheckpointWriteError(CheckpointError):
@@ -64,30 +56,6 @@ class CheckpointWriteError(CheckpointError):
         self.path, self.error = path, error
         super().__init__(f"writing {path} failed: {error}; the older checkpoint slot is untouched. Free space on (or "
                          "fix) the checkpoint file system, then resume")
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def new_hasher(algo: str) -> Any:
-    if algo == "xxh3_64":
-        if xxhash is None:
-            raise CheckpointError("the manifest uses xxh3_64 digests but python-xxhash is not installed; "
-                                  "pip install xxhash")
-        return xxhash.xxh3_64()
-    if algo == "crc32":
-        return _Crc32()
-    if algo == "sha256":
-        return hashlib.sha256()
-    raise CheckpointError(f"unknown checkpoint digest {algo!r}")
 
 
 def _libc_sync_file_range() -> Optional[Callable[[int, int, int], None]]:
@@ -119,7 +87,7 @@ class _DigestingFile:
     leaving the disk idle while the page cache fills, and the final fsync would then wait for all of it."""
 
     def __init__(self, fd: int, algo: str, writer: ThreadPoolExecutor):
-        self.fd, self.hasher, self.nbytes, self.writer = fd, new_hasher(algo), 0, writer
+        self.fd, self.hasher, self.nbytes, self.writer = fd, SegmentedDigest(algo), 0, writer
         self.error: Optional[OSError] = None  # the first write error; torch.save's own cleanup would mask it
 
     def _write_all(self, chunk: memoryview) -> int:
@@ -176,7 +144,7 @@ def _no_zip_crc() -> Iterator[None]:
 
 def write_file(path: Path, obj: Any, algo: str = DIGEST, fsync: bool = True) -> dict[str, Any]:
     """Serialise `obj` into `path` (fsynced unless `fsync=False`: then `fsync_file` it before relying on it);
-    returns its manifest entry {algo: hexdigest, "bytes": n}."""
+    returns its manifest entry (segment digests and "bytes": n, checkpoint/digest.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -187,7 +155,7 @@ def write_file(path: Path, obj: Any, algo: str = DIGEST, fsync: bool = True) -> 
             os.fsync(fd)
     finally:
         os.close(fd)
-    return {algo: out.hasher.hexdigest(), "bytes": out.nbytes}
+    return {**out.hasher.entry(), "bytes": out.nbytes}
 
 
 def _serialise(obj: Any, out: _DigestingFile) -> None:
@@ -334,41 +302,6 @@ def read_manifest(ckpt_dir: Path) -> Optional[dict]:
     return manifest if isinstance(manifest, dict) and "step" in manifest and "files" in manifest else None
 
 
-def _digest_of(info: dict) -> tuple[str, str]:
-    for algo in ("xxh3_64", "crc32", "sha256"):
-        if algo in info:
-            return algo, info[algo]
-    raise CheckpointError(f"manifest entry {info} names no known digest")
-
-
-def verify_file(path: Path, info: dict) -> tuple[bool, str]:
-    if not path.is_file():
-        return False, f"{path}: missing"
-    if path.stat().st_size != info["bytes"]:
-        return False, f"{path}: {path.stat().st_size} bytes, manifest says {info['bytes']} (truncated?)"
-    algo, want = _digest_of(info)
-    if _hash_file(path, new_hasher(algo)) != want:
-        return False, f"{path}: {algo} mismatch (corrupted)"
-    return True, "ok"
-
-
-def _hash_file(path: Path, h: Any) -> str:
-    """Digest of a file, reading the next chunk in a second thread while this one hashes the last (both release
-    the GIL), so the disk never waits for the hash."""
-    size = max(1, min(_READ_CHUNK, path.stat().st_size))
-    bufs = [bytearray(size), bytearray(size)]
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1) as reader:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        pending = reader.submit(f.readinto, bufs[0])
-        i = 0
-        while n := pending.result():
-            pending = reader.submit(f.readinto, bufs[1 - i])
-            h.update(memoryview(bufs[i])[:n])
-            i = 1 - i
-    return h.hexdigest()
-
-
 def verify(ckpt_dir: Path) -> tuple[bool, str]:
     """(ok, reason): the manifest parses and every listed file exists with the recorded size and digest."""
     manifest = read_manifest(ckpt_dir)
@@ -376,11 +309,7 @@ def verify(ckpt_dir: Path) -> tuple[bool, str]:
         return False, f"{ckpt_dir}: missing or unreadable {MANIFEST}"
     if held_verified(ckpt_dir, manifest):  # verified when this process loaded it into memory, unchanged since
         return True, "ok"
-    for rel, info in manifest["files"].items():
-        ok, reason = verify_file(Path(ckpt_dir) / rel, info)
-        if not ok:
-            return False, reason
-    return True, "ok"
+    return verify_files([(Path(ckpt_dir) / rel, info) for rel, info in manifest["files"].items()])
 
 
 @dataclass
