@@ -131,7 +131,7 @@ def _hash_range(seg: _Segment) -> Optional[str]:
         os.close(fd)
     if h.hexdigest() != seg.want:
         where = "" if seg.index < 0 else f" in bytes {seg.offset}..{seg.offset + seg.length}"
-        return f"{seg.path}: {seg.algo} mismatch{where} (corrupted)"
+        return f"{seg.path}: {seg.algo} mismatch (corrupted){where}"
     return None
 
 
