@@ -11,6 +11,7 @@ possible), 8 checkpoints kept failing to persist (storage); anything else is a c
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_trainer(cfg: Any, run_dir: RunDir, attempt: int, model: Any = None) -> int:
     """Join the process group of this rank's environment and train; the exit code. `model`: a warm standby's."""
-    from moe_launch.trainer.dist import collective_timeout_s, detect_env, init_distributed, pick_device, shutdown
+    from moe_launch.trainer.dist import collective_timeout_s, detect_env, init_distributed, pick_device, settle
     from moe_launch.trainer.loop import Trainer
 
     code = EXIT_CONFIG
@@ -82,9 +83,23 @@ def run_trainer(cfg: Any, run_dir: RunDir, attempt: int, model: Any = None) -> i
         print(f"[trainer] CheckpointError: {e}", file=sys.stderr, flush=True)
         code = EXIT_CHECKPOINT
     if code == EXIT_OK:
-        shutdown()  # on failure paths peers may be gone: leave without a collective teardown
+        settle()  # on failure paths peers may be gone: leave without a collective
     return code
 
 
+def leave(code: int) -> None:
+    """End the process with `code` once its output is flushed, without running destructors: the process groups'
+    C++ teardown at interpreter exit (gloo and store threads, groups destroyed in whatever order) can abort a
+    process that has finished cleanly, which the supervisor would read as a failed node. Files are closed by then
+    (journal and metrics are written line by line, the tracking backends closed by the trainer)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

@@ -130,10 +130,16 @@ class Comm:
         return t
 
 
+def settle() -> None:
+    """Every rank has reached the end: after this barrier no rank talks to the rendezvous store any more, so the rank
+    that hosts it may leave (a peer that loses the store mid-call aborts, which the supervisor would read as a node
+    failure)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def shutdown() -> None:
-    """Leave together: the rank that hosts the rendezvous store must not exit while a peer still talks to it (a
-    peer that loses the store mid-call aborts, which the supervisor would read as a node failure)."""
+    """`settle`, then release the process group (for a process that goes on after training)."""
     if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        settle()
         dist.destroy_process_group()
