@@ -29,7 +29,12 @@ from moe_launch.orchestrator.last_record import DISK_FULL, disk_full_reason, no_
 from moe_launch.orchestrator.live import LiveView
 from moe_launch.orchestrator.plan import LaunchPlan, plan, write_plan
 from moe_launch.orchestrator.render import render_sbatch
-from moe_launch.orchestrator.resubmit import allocation_verdict, buffers_for_resubmit
+from moe_launch.orchestrator.resubmit import (
+    allocation_never_started,
+    allocation_verdict,
+    buffers_for_resubmit,
+    submitted_at,
+)
 from moe_launch.orchestrator.state import Action, SupervisorState, replay
 from moe_launch.orchestrator.summary import build_summary, write_summary
 from moe_launch.orchestrator.supervisor import STOP_FILE
@@ -39,6 +44,7 @@ from moe_launch.rundir import RunDir, journal_event, read_jsonl
 # and a new start of the run must not be refused while Slurm cleans the job up
 _LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING")
 _GONE_GRACE_S = 3.0  # the supervisor writes summary.json just before it exits; give the file a moment
+_YOUNG_JOB_S = 60.0
 
 
 def partition_and_quarantine(cfg: RootConfig) -> tuple[Any, list[str]]:
@@ -96,13 +102,15 @@ def _kill_local_leftovers(rd: RunDir) -> None:
             continue
 
 
-def handle_alive(kind: str, handle: str, retry_s: float = 0.0) -> bool:
-    """Is the allocation still there? A controller that stays unreachable for retry_s leaves it unknown: alive."""
+def handle_alive(kind: str, handle: str, retry_s: float = 0.0, submitted_s_ago: float = float("inf")) -> bool:
+    """Is the allocation still there? A controller that stays unreachable for retry_s leaves it unknown: alive. So
+    does a job Slurm does not know yet (accounting lags the controller) within _YOUNG_JOB_S of its submission."""
     if kind == "slurm":
         try:
-            return slurm.job_state(handle, retry_s) in _LIVE_STATES
+            state = slurm.job_state(handle, retry_s)
         except SubmissionError:
             return True
+        return state in _LIVE_STATES or (state == "" and submitted_s_ago < _YOUNG_JOB_S)
     pid = int(handle)
     if pid in _CHILDREN:
         return _CHILDREN[pid].poll() is None
@@ -177,7 +185,8 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         if not started:
             raise SubmissionError(f"{rd.journal} names no allocation; was this run started by moe-launch?")
         last = started[-1]
-        alive = handle_alive(last["cluster"], last["handle"], cfg.cluster.controller_retry_s)
+        alive = handle_alive(last["cluster"], last["handle"], cfg.cluster.controller_retry_s,
+                             time.time() - submitted_at(records, last["handle"]))
         if alive and not _supervisor_lost(rd, records, last):
             gone_since = None
         elif gone_since is None:
@@ -234,7 +243,16 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
     full = disk_full_reason(rd, records)
     if full:  # a new allocation would fail the same way
         return _final(rd, state, wall, "failed", full, resubmits)
-    continuation = state is not None and state.status == "preempted"
+    last = handles(records)[-1]
+    never_started = allocation_never_started(records, last)
+    if never_started:  # the replayed state is the previous allocation's: this one is no continuation of anything
+        try:
+            job_state = slurm.job_state(last["handle"], cfg.cluster.controller_retry_s) or "unknown to Slurm"
+        except SubmissionError:
+            job_state = "unknown (slurmctld unreachable)"
+        journal_event(rd, "info", (), message=f"allocation {last['handle']} ended ({job_state}) before its supervisor "
+                      "started", never_started=True, job=last["handle"], job_state=job_state, warning=True)
+    continuation = state is not None and state.status == "preempted" and not never_started
     why_stop = allocation_verdict(continuation, records, started, cfg.supervisor)
     allocs = [r for r in records if r.get("kind") == "allocation"]  # name the node the ended supervisor ran on
     lost_host = allocs[-1]["details"].get("supervisor_host") if allocs else None
@@ -262,8 +280,9 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
                       resubmits)
     journal_event(rd, "resubmit", excluded, handle=handle, cluster=p.kind, number=started, exclude=list(p.exclude),
                   previous_supervisor_host=lost_host, previous_job=handles(records)[-1]["handle"],
-                  continuation=continuation, buffers=buffers,
+                  continuation=continuation, never_started=never_started, buffers=buffers,
                   reason="continuation after a clean time-limit/preemption checkpoint" if continuation else
+                  "the allocation ended before its supervisor started" if never_started else
                   "the allocation ended without a clean checkpoint (supervisor node lost, hard time limit, ...)")
 
 

@@ -37,3 +37,16 @@ def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], 
         return cluster.buffers
     usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
     return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
+
+
+def submitted_at(records: list[dict[str, Any]], handle: str) -> float:
+    """Pure: when the login side submitted allocation `handle` (journal time of its start / resubmit record)."""
+    return next((r["time"] for r in reversed(records) if r.get("kind") in ("start", "resubmit")
+                 and r.get("details", {}).get("handle") == handle), 0.0)
+
+
+def allocation_never_started(records: list[dict[str, Any]], last: dict[str, Any]) -> bool:
+    """Pure: a Slurm allocation (`last`: its start / resubmit details) whose supervisor wrote no `allocation` record:
+    the job ended (launch failure, cancelled while pending, ...) before anything of the run ran in it."""
+    return last["cluster"] == "slurm" and not any(
+        r.get("kind") == "allocation" and r["details"].get("job_id") == last["handle"] for r in records)

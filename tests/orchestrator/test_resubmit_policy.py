@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from moe_launch.conf.schema import ClusterConfig, SupervisorConfig
 from moe_launch.orchestrator.plan import PartitionInfo
-from moe_launch.orchestrator.resubmit import allocation_verdict, buffers_for_resubmit
+from moe_launch.orchestrator.resubmit import (
+    allocation_never_started,
+    allocation_verdict,
+    buffers_for_resubmit,
+    submitted_at,
+)
 
 
 def _resubmit(continuation: bool) -> dict:
@@ -42,3 +47,13 @@ def test_resubmit_shrinks_buffers_to_what_the_partition_can_give():
     assert buffers_for_resubmit(cluster, part, ("node2", "node3")) == 1  # node4 down too: 3 usable
     assert buffers_for_resubmit(cluster, part, ("node1", "node2", "node3")) == 0  # 2 usable: N alone
     assert buffers_for_resubmit(cluster, part, ("node1", "node2", "node3", "node5")) == 0  # pends for N, never < 0
+
+
+def test_an_allocation_without_its_supervisors_record_never_started():
+    records = [{"kind": "start", "time": 10.0, "details": {"handle": "7", "cluster": "slurm"}},
+               {"kind": "allocation", "time": 11.0, "details": {"job_id": "7"}},
+               {"kind": "resubmit", "time": 70.0, "details": {"handle": "8", "cluster": "slurm"}}]
+    assert not allocation_never_started(records, {"handle": "7", "cluster": "slurm"})
+    assert allocation_never_started(records, {"handle": "8", "cluster": "slurm"})
+    assert not allocation_never_started(records, {"handle": "4242", "cluster": "local"})  # local: a process, no job
+    assert submitted_at(records, "8") == 70.0 and submitted_at(records, "9") == 0.0
