@@ -101,5 +101,22 @@ def leave(code: int) -> None:
     os._exit(code)
 
 
+def exit_code_of(run: Any) -> int:
+    """`run()`'s exit code, with what an uncaught exception would have done to the process (its traceback through
+    sys.excepthook, code 1), so that `leave` ends a crashed rank too: a crash must exit 1, never abort in teardown."""
+    try:
+        return run()
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
 if __name__ == "__main__":
-    leave(main())
+    leave(exit_code_of(main))
