@@ -19,8 +19,8 @@ NODES = ["local1", "local2", "local3", "local4"]
 
 def _cfg(tmp_path, **kw) -> HealthConfig:
     # threshold 0.1: this 2-core machine is shared (another test worker runs beside), and small gloo transfers vary
-    # by several x between runs (a healthy node once measured over 4x below its baseline); the injected delay slows a group by ~100x, so the
-    # test stays unambiguous
+    # by several x between runs (a healthy node once measured over 4x below its baseline); the injected delay slows
+    # a group by ~100x, so the test stays unambiguous
     a2a = AllToAllConfig(min_bytes=1024, max_bytes=4096, iters=3, threshold=0.1,
                          baseline_path=str(tmp_path / "baselines.json"), timeout_s=120)
     return HealthConfig(store_dir=str(tmp_path / "store"), alltoall=a2a, **kw)
