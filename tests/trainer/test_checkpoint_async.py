@@ -59,15 +59,21 @@ def test_stop_only_after_repeated_failures():
     assert "2 checkpoints in a row" in persist_failure_reason([failed, failed])
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs with room for one checkpoint of the tiny model (1.1 MB) but not two."""
+def _checkpoint_tmpfs(tmp_path, size: str):
+    """A run's checkpoint directory on a tmpfs of `size` (the tiny model's checkpoint takes 1.1 MB)."""
     disk = tmp_path / "run" / "checkpoints"
     disk.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(disk)], capture_output=True).returncode:
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
     yield disk
     subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Room for one checkpoint but not two."""
+    yield from _checkpoint_tmpfs(tmp_path, "1600k")
 
 
 def test_full_disk_keeps_the_older_slot_and_stops_the_trainer(small_disk, data_cache):
@@ -146,13 +152,8 @@ def test_preemption_exits_only_once_its_checkpoint_is_durable(tmp_path, data_cac
 
 @pytest.fixture
 def two_checkpoint_disk(tmp_path):
-    """A tmpfs with room for two checkpoints of the tiny model (1.1 MB each) but not three."""
-    disk = tmp_path / "run" / "checkpoints"
-    disk.mkdir(parents=True)
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2800k", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN)")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    """Room for two checkpoints but not three."""
+    yield from _checkpoint_tmpfs(tmp_path, "2800k")
 
 
 def test_a_disk_with_room_for_two_checkpoints_replaces_the_older_slot_first(two_checkpoint_disk, data_cache):
