@@ -40,6 +40,9 @@ class MoEConfig:
     z_loss_coef: float = 1e-3  # router z-loss
     # auto (FastSparseMoE kernels for CUDA tensors, the torch reference elsewhere) | fast (kernels/) | reference
     impl: str = "auto"
+    # bf16 | fp8: the expert GEMMs of the kernels' forward and activation gradients in FP8 e4m3 with fine-grained
+    # scales (kernels/fp8.py; weight gradients stay bf16). Needs the kernels (impl auto or fast) on an sm90 GPU
+    precision: str = "bf16"
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
@@ -55,6 +58,10 @@ class MoEConfig:
         require(self.aux_loss_coef >= 0, "model.moe.aux_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-2)")
         require(self.z_loss_coef >= 0, "model.moe.z_loss_coef", "is negative", "use a value >= 0 (e.g. 1e-3)")
         one_of(self.impl, ("auto", "reference", "fast"), "model.moe.impl")
+        one_of(self.precision, ("bf16", "fp8"), "model.moe.precision")
+        require(not (self.precision == "fp8" and self.impl == "reference"), "model.moe.precision",
+                "fp8 runs in the FastSparseMoE kernels, but model.moe.impl=reference selects the plain-torch experts",
+                "set model.moe.impl=fast (or auto), or model.moe.precision=bf16")
         one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
         one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
         require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",

@@ -14,32 +14,55 @@ Saved for backward: x_ND, g_NF, u_NF, y_ND (h is recomputed inside the SwiGLU ba
 Backward: reduction bwd (dy_ND, dw_TK) -> dh = dy_ND @ w_down -> SwiGLU bwd (dg, du, h) -> weight grads via
 grouped_mm_wgrad -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one reduction pass (no atomics).
 Rows >= R of every buffer are unspecified and never read. No host sync anywhere on this path.
+
+precision="fp8" (kernels/fp8.py): the forward GEMMs (gate, up, down) and the activation-gradient GEMMs (dh, dx gate,
+dx up) run as e4m3 x e4m3 torch._scaled_grouped_mm with fp32 accumulation and bf16 output; activations scaled per
+row, weights per output channel, the weights quantized afresh in every call (bf16 masters and optimizer untouched).
+Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are quantized
+(T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is
+w[t,k] times the token's scale. h and dg, du are quantized after the SwiGLU kernels. The three weight-gradient GEMMs
+stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
+(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost that eats most of what
+FP8 would save there. Everything saved for backward is the bf16 path's; outputs and gradients come back in bf16.
 """
 
 from __future__ import annotations
 
 import torch
 
+from moe_launch.kernels import fp8
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
 from moe_launch.kernels.reduce import combine, combine_bwd
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
 
+PRECISIONS = ("bf16", "fp8")
+
 
 class _FastExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl):
+    def forward(ctx, x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl, precision):
         E = w_gate_EFD.shape[0]
         plan = route_indices(idx_TK, e_start, e_start + E)
-        x_ND = gather_rows(x_TD.contiguous(), plan.row_token_N, plan.num_rows)
-        g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
-        u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
-        h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
-        y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
+        x_TD = x_TD.contiguous()
+        x_ND = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
+        if precision == "fp8":
+            mm = _Fp8Gemms(plan, gemm_impl)
+            xq_ND, xs_N = mm.gathered_rows(x_TD)
+            g_NF = mm(xq_ND, xs_N, w_gate_EFD.transpose(1, 2))
+            u_NF = mm(xq_ND, xs_N, w_up_EFD.transpose(1, 2))
+            del xq_ND
+            h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
+            y_ND = mm(*fp8.quantize_rows(h_NF, plan.num_rows), w_down_EDF.transpose(1, 2))
+        else:
+            g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
+            u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
+            h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
+            y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
         y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
         ctx.save_for_backward(x_ND, g_NF, u_NF, y_ND, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-        ctx.plan, ctx.gemm_impl, ctx.x_dtype = plan, gemm_impl, x_TD.dtype
+        ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.precision = plan, gemm_impl, x_TD.dtype, precision
         return y_TD
 
     @staticmethod
@@ -47,8 +70,12 @@ class _FastExperts(torch.autograd.Function):
         x_ND, g_NF, u_NF, y_ND, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
         plan: RoutePlan = ctx.plan
         impl = ctx.gemm_impl
+        fp8_mm = _Fp8Gemms(plan, impl) if ctx.precision == "fp8" else None
         dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
-        dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
+        if fp8_mm is not None:
+            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), w_down_EDF)
+        else:
+            dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
         dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
         need = ctx.needs_input_grad
         dw_down = grouped_mm_wgrad(dy_ND, h_NF, plan, impl) if need[4] else None
@@ -56,10 +83,37 @@ class _FastExperts(torch.autograd.Function):
         dw_up = grouped_mm_wgrad(du_NF, x_ND, plan, impl) if need[3] else None
         dx_TD = None
         if need[0]:
-            dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
-            dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
+            if fp8_mm is not None:
+                dxg_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows), w_gate_EFD)
+                dxu_ND = fp8_mm(*fp8.quantize_rows(du_NF, plan.num_rows), w_up_EFD)
+            else:
+                dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
+                dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
             dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
-        return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None
+        return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None, None
+
+
+class _Fp8Gemms:
+    """The FP8 grouped GEMMs of one plan: `mm(aq_NK, as_N, b_EKM)` quantizes the weight view b_EKM per output
+    channel and multiplies. gemm_impl "reference" emulates in fp32; any other runs torch._scaled_grouped_mm."""
+
+    def __init__(self, plan: RoutePlan, gemm_impl: str):
+        self.plan = plan
+        self.impl = "reference" if gemm_impl == "reference" else "torch"
+
+    def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b_EKM: torch.Tensor) -> torch.Tensor:
+        return fp8.scaled_grouped_mm(aq_NK, as_N, *fp8.quantize_operand(b_EKM), self.plan, self.impl)
+
+    def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None):
+        """Rows r of the expert-sorted buffer hold w[t,k] * v[t] (w_TK None: v[t]): quantize the T tokens once and
+        gather their e4m3 rows; a row's scale is the token's scale times w[t,k] (exact: the codes do not change)."""
+        p = self.plan
+        q_TD, s_T = fp8.quantize_rows(v_TD)
+        tok_N = p.row_token_N.clamp(min=0)  # rows >= R: any valid index (never read)
+        s_N = s_T.index_select(0, tok_N)
+        if w_TK is not None:
+            s_N = s_N * w_TK.reshape(-1).float().index_select(0, p.row_pair_N.clamp(min=0))
+        return gather_rows(q_TD, p.row_token_N, p.num_rows), s_N
 
 
 def fast_experts(
@@ -71,16 +125,24 @@ def fast_experts(
     w_down_EDF: torch.Tensor,
     e_start: int = 0,
     gemm_impl: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
     gemm_impl: "auto" (torch grouped_mm on sm90 bf16, else our Triton kernel), "torch", "triton" or "reference".
+    precision: "bf16" | "fp8" (the module docstring says which GEMMs; "fp8" needs an sm90 GPU unless gemm_impl is
+    "reference", which emulates the FP8 GEMMs in fp32).
     Under torch.autocast the expert computation runs in the autocast dtype, as F.linear would, and y_TD comes back in
-    that dtype; the casts sit outside the autograd Function, so fp32 master weights get fp32 gradients. w_TK keeps
-    its dtype (the reductions accumulate in fp32 either way).
+    that dtype; with precision="fp8" it runs in bf16 (the FP8 GEMMs' output dtype). The casts sit outside the
+    autograd Function, so fp32 master weights get fp32 gradients. w_TK keeps its dtype (the reductions accumulate in
+    fp32 either way).
     """
+    if precision not in PRECISIONS:
+        raise ValueError(f"expert precision {precision!r} is not one of {PRECISIONS}")
     dev = x_TD.device.type
-    if torch.is_autocast_enabled(dev):
-        dt = torch.get_autocast_dtype(dev)
+    dt = torch.bfloat16 if precision == "fp8" else (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
+                                                     else None)
+    if dt is not None:
         x_TD, w_gate_EFD, w_up_EFD, w_down_EDF = (t.to(dt) for t in (x_TD, w_gate_EFD, w_up_EFD, w_down_EDF))
-    return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl)
+    return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl,
+                              precision)

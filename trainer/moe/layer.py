@@ -6,7 +6,8 @@ Shapes: B batch, S sequence, T = B*S tokens, D model dim, F expert hidden, E_loc
 Two swappable parts, both plain attributes chosen at build time (never by control flow in forward):
   experts_fn  (x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=) -> y_TD over the LOCAL experts;
               model.moe.impl picks trainer.moe.reference.experts_reference or kernels.moe.fast_experts
-              (auto: the kernels for CUDA tensors).
+              (auto: the kernels for CUDA tensors); model.moe.precision=fp8 binds fast_experts' precision (the
+              layer then refuses to be built on anything but an sm90 GPU).
   dispatcher  (x_TD, idx_TK, w_TK, layer) -> y_TD. `local_dispatch` runs every expert here (EP=1); expert
               parallelism (trainer/parallel) installs all-gather or all-to-all dispatchers that move tokens
               between EP ranks and call layer.experts_fn on the tokens routed to this rank's experts.
@@ -15,6 +16,7 @@ The aux and z losses and the load counts are computed from this rank's own routi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,17 +39,31 @@ class RouterStats:
     counts_E: torch.Tensor  # int64 [E global], no gradient
 
 
-def resolve_experts_fn(impl: str) -> ExpertsFn:
+def resolve_experts_fn(impl: str, precision: str = "bf16") -> ExpertsFn:
     if impl == "reference":
         return experts_reference
-    if impl == "auto":
+    if impl == "auto" and precision == "bf16":
         return auto_experts
     try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
         from moe_launch.kernels.moe import fast_experts
     except ImportError as e:
-        raise ConfigError("model.moe.impl", f"'fast' needs moe_launch.kernels.moe.fast_experts ({e})",
-                          "install the kernels (triton) or use model.moe.impl=reference") from e
-    return fast_experts
+        key = "model.moe.impl" if precision == "bf16" else "model.moe.precision"
+        raise ConfigError(key, f"the FastSparseMoE kernels cannot be imported ({e})",
+                          "install the kernels (triton), or use model.moe.impl=reference with precision=bf16") from e
+    return fast_experts if precision == "bf16" else functools.partial(fast_experts, precision=precision)
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """FP8 experts need torch._scaled_grouped_mm on an sm90 GPU: refuse any other device before building."""
+    if precision != "fp8":
+        return
+    from moe_launch.kernels.fp8 import fp8_gemm_supported
+
+    if not fp8_gemm_supported(device):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise ConfigError("model.moe.precision", f"fp8 needs an sm90 (Hopper) GPU with torch._scaled_grouped_mm; "
+                          f"this layer is built on {device} ({name}, torch {torch.__version__})",
+                          "set model.moe.precision=bf16, or run on H100/H200")
 
 
 def auto_experts(x_TD: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -68,6 +84,7 @@ def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor,
 class MoELayer(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig, ep_rank: int = 0, ep_size: int = 1):
         super().__init__()
+        check_precision(cfg.precision, torch.get_default_device())  # the device build_model allocates on
         if cfg.num_experts % ep_size != 0:
             raise ConfigError("parallel.ep", f"{cfg.num_experts} experts cannot be split over ep={ep_size}",
                               "choose parallel.ep dividing model.moe.num_experts")
@@ -80,7 +97,7 @@ class MoELayer(nn.Module):
         self.w_down_EDF = nn.Parameter(torch.empty(E_local, d_model, cfg.expert_hidden))
         for p in (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF):
             p._moe_expert = True  # optimizers and checkpoints treat expert weights as EP-sharded
-        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl)
+        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision)
         self.dispatcher = local_dispatch
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:

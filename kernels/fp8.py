@@ -1,0 +1,171 @@
+"""FP8 (e4m3) for the expert GEMMs: fine-grained row-wise quantization and the scaled grouped GEMM.
+
+Scaling follows DeepSeek-V3's fine-grained recipe at the granularity torch's rowwise scaled grouped GEMM takes:
+  activations a_NK   one scale per row (token row): amax over K
+  expert weights     one scale per output channel: the b operand b_EKM gets s_EM, amax over K for each (e, m)
+  x ~= q * s, q in e4m3 (|q| <= 448), s = max(amax, AMAX_EPS) / 448 (fp32 scales) or that rounded UP to a power of
+  two (pow2 scales, the default: dividing by a power of two is exact and the largest |q| still lands in (224, 448]).
+  The quantized value is the round-to-nearest-even e4m3 neighbour of x / s, clamped to +-448 (saturating, never
+  inf/NaN). An all-zero row gets the tiny scale AMAX_EPS / 448 and all-zero codes.
+
+Shapes: N row capacity, R valid rows (device scalar), K contraction dim, M output dim, E local experts.
+
+  quantize_rows(x_[B]RC, num_rows=None) -> (q_[B]RC e4m3 contiguous, s_[B]R fp32)   x any strides
+  quantize_operand(b_EKM)              -> (q_EKM column-major e4m3, s_EM)            the b operand of a GEMM
+  scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan) -> c_NM bf16 = (as*aq)[r] @ (bq*bs)[e(r)]
+Paths: "torch" is torch._scaled_grouped_mm (CUTLASS, sm90, fp32 accumulation, bf16 out); "reference" dequantizes
+to fp32 and loops over experts (host sync; tests and CPU). The quantization runs as one Triton kernel (CPU: the
+interpreter) beside its plain-torch reference. Quantizing the weights by output channel needs the channel's values
+along K: for x @ w^T that is a row of w as stored, for the activation gradient (dy @ w) a column, which the kernel
+reads with strided tiles. Weights are quantized per call: bf16 master weights and the optimizer never see FP8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_launch.kernels._launch import launch, next_pow2
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+AMAX_EPS = 1e-12  # floor of a row's amax: zero rows get a finite scale and zero codes, never 0/0
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) -> the nearest e4m3 value, ties to even, as fp32. Done in fp32 so that the final cast is
+    exact: the cast itself rounds the same on sm90, but Triton's CPU interpreter rounds wrongly across a binade."""
+    a = tl.abs(v)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |v| (-127 for 0)
+    e = tl.maximum(e, -6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: step = 2^(e-3)
+    y = a / step  # exact (power of two)
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
+    return tl.where(v < 0, -r * step, r * step)
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr, q_ptr, s_ptr,  # x [B, R, C] any strides; q [B, R, C] contiguous e4m3; s [B, R] fp32
+    num_rows_ptr,  # int32 [] rows per batch to quantize (HAS_NUM_ROWS); rows beyond it are left unwritten
+    R, C, s_xb, s_xr, s_xc,
+    POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    if HAS_NUM_ROWS:
+        row_ok = row_ok & (rows < tl.load(num_rows_ptr))
+    x_rows = x_ptr + b * s_xb + rows.to(tl.int64)[:, None] * s_xr
+    q_rows = q_ptr + (b * R + rows.to(tl.int64))[:, None] * C
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):  # pass 1: amax of each row
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    s = tl.maximum(amax, 1e-12) / 448.0
+    if POW2:  # round the scale up to a power of two: add all-ones to the mantissa, keep the exponent
+        s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    for c0 in range(0, C, BLOCK_C):  # pass 2: quantize (the re-read comes from cache)
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+        tl.store(q_rows + cols[None, :], _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + b * R + rows, s, mask=row_ok)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 3 else x.unsqueeze(0)
+
+
+def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None,
+                         pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    x3 = _as_3d(x)
+    B, R, C = x3.shape
+    q = torch.empty(B, R, C, dtype=E4M3, device=x.device)
+    s = torch.empty(B, R, dtype=torch.float32, device=x.device)
+    if q.numel() > 0:
+        cuda = x.is_cuda
+        if x3.stride(2) == 1 or not cuda:  # rows contiguous: whole rows per program
+            BLOCK_C = min(next_pow2(C), 2048)
+            BLOCK_R = max(1, (8192 if cuda else 65536) // BLOCK_C)
+        else:  # channels of a weight read across its rows: tiles whose memory-contiguous axis is the row axis
+            BLOCK_R, BLOCK_C = 64, min(next_pow2(C), 64)
+        nr = num_rows if num_rows is not None else s  # unused when HAS_NUM_ROWS is False
+        launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, q, s, nr, R, C, *x3.stride(),
+               POW2=pow2, HAS_NUM_ROWS=num_rows is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+    return q.view(x.shape), s.view(x.shape[:-1])
+
+
+def row_scales_reference(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
+    s = x.float().abs().amax(-1).clamp_min(AMAX_EPS) / E4M3_MAX
+    return torch.exp2(torch.ceil(torch.log2(s))) if pow2 else s
+
+
+def quantize_rows_reference(x: torch.Tensor, num_rows: torch.Tensor | None = None,
+                            pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract; every row is quantized (rows >= num_rows may hold anything)."""
+    s = row_scales_reference(x, pow2)
+    q = (x.float() / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # torch's cast rounds to nearest even
+    return q.contiguous(), s
+
+
+def quantize_rows(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
+                  impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantization of a [R, C] or [B, R, C] tensor (any strides) -> (q contiguous, s fp32)."""
+    fn = quantize_rows_triton if impl == "triton" else quantize_rows_reference
+    return fn(x, num_rows, pow2)
+
+
+def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s[..., None]
+
+
+def quantize_operand(b_EKM: torch.Tensor, impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """The b operand of a grouped GEMM (any strided view of an expert weight) -> (q_EKM, s_EM): one scale per output
+    channel m, q column-major as torch._scaled_grouped_mm requires."""
+    q_EMK, s_EM = quantize_rows(b_EKM.transpose(1, 2), impl=impl)
+    return q_EMK.transpose(1, 2), s_EM
+
+
+def fp8_gemm_supported(device: torch.device | str) -> bool:
+    """torch._scaled_grouped_mm with row-wise fp32 scales: CUTLASS kernels for sm90 (Hopper) only."""
+    device = torch.device(device)
+    if device.type != "cuda" or getattr(torch, "_scaled_grouped_mm", None) is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, ends_E) -> torch.Tensor:
+    # use_fast_accum=False: CUTLASS promotes the tensor cores' partial sums into fp32 accumulators
+    return torch._scaled_grouped_mm(aq_NK, bq_EKM, as_N, bs_EM, offs=ends_E, out_dtype=torch.bfloat16,
+                                    use_fast_accum=False)
+
+
+def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch.Tensor:
+    """Dequantize to fp32, multiply per expert in fp32, round once to bf16. Rows >= R are zero."""
+    a = dequantize_rows(aq_NK, as_N)
+    b = bq_EKM.float() * bs_EM[:, None, :]
+    c_NM = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float32, device=a.device)
+    for e, (lo, hi) in enumerate(zip(offsets_E1[:-1].tolist(), offsets_E1[1:].tolist())):  # host sync
+        c_NM[lo:hi] = a[lo:hi] @ b[e]
+    return c_NM.to(torch.bfloat16)
+
+
+def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch") -> torch.Tensor:
+    """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16.
+    impl: "torch" (sm90; anything else is refused here rather than silently slow) | "reference"."""
+    if impl == "reference":
+        return scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, plan.offsets_E1)
+    if impl != "torch":
+        raise ValueError(f"FP8 grouped GEMM impl {impl!r} is not one of ('torch', 'reference')")
+    if not fp8_gemm_supported(aq_NK.device):
+        raise RuntimeError(f"the FP8 grouped GEMM (torch._scaled_grouped_mm) needs an sm90 GPU; got {aq_NK.device} "
+                           "(use precision='bf16', or gemm_impl='reference' for the slow fp32 emulation)")
+    return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E)
