@@ -44,7 +44,8 @@ def _round_e4m3(v):
     y = a / step  # exact (power of two)
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
-    return tl.where(v < 0, -r * step, r * step)
+    sign = v.to(tl.int32, bitcast=True) & (-2147483648)  # the sign bit, so that -0.0 stays -0.0 as in the cast
+    return ((r * step).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
