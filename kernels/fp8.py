@@ -41,11 +41,11 @@ def _round_e4m3(v):
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |v| (-127 for 0)
     e = tl.maximum(e, -6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: step = 2^(e-3)
-    y = a / step  # exact (power of two)
+    y = a * ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # a / step, exact (a power of two)
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
-    sign = v.to(tl.int32, bitcast=True) & (-2147483648)  # the sign bit, so that -0.0 stays -0.0 as in the cast
-    return ((r * step).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so that -0.0 stays -0.0 as in the cast
+    return tl.where(negative, -(r * step), r * step)
 
 
 @triton.jit
@@ -68,14 +68,15 @@ def _quant_rows_kernel(
         m = row_ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    s = tl.maximum(amax, 1e-12) / 448.0
+    s = tl.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
     if POW2:  # round the scale up to a power of two: add all-ones to the mantissa, keep the exponent
         s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     for c0 in range(0, C, BLOCK_C):  # pass 2: quantize (the re-read comes from cache)
         cols = c0 + tl.arange(0, BLOCK_C)
         m = row_ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+        # div_rn: IEEE division, as torch's (the default `/` on the GPU is an approximation within 2 ulp)
+        v = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -448.0), 448.0)
         tl.store(q_rows + cols[None, :], _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + b * R + rows, s, mask=row_ok)
 

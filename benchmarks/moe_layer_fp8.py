@@ -1,0 +1,132 @@
+"""The FP8 expert path on the GPU, for benchmarks/moe_layer.py: its checks, the measured dense FP8 rate, and the
+costs of its own stages (quantization, gathers, one scaled grouped GEMM) beside the 2d x 2d FP8 grouped GEMM a weight
+gradient in FP8 would need.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import torch
+from moe_layer import Dims, bench, rel, route
+
+
+def dense_fp8_tflops(device) -> float:
+    """An 8192^3 e4m3 torch._scaled_mm with row-wise scales and fp32 accumulation (the grouped GEMM's recipe)."""
+    n = 8192
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    sa, sb = torch.rand(n, 1, device=device) + 0.5, torch.rand(1, n, device=device) + 0.5
+    ms = bench(lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16), device)
+    return 2 * n**3 / ms / 1e9
+
+
+def checks(device, log):
+    """The FP8 path on this device: quantization kernel vs its torch reference (compiled Triton), the scaled grouped
+    GEMM vs its fp32 emulation, the layer vs the emulated layer and vs the bf16 reference, and no host sync."""
+    from moe_launch.kernels import fp8
+    from moe_launch.kernels.index_gen import route_indices
+    from moe_launch.kernels.moe import fast_experts
+    from moe_launch.trainer.moe.reference import experts_reference
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    out = {}
+    x = (torch.randn(4097, 2048, generator=g) * torch.logspace(-6, 3, 4097)[:, None]).to(device, torch.bfloat16)
+    w = torch.randn(8, 1024, 2048, generator=g).to(device, torch.bfloat16)
+    for pow2 in (True, False):
+        for name, t in (("rows", x), ("weight_channels", w.transpose(1, 2))):
+            q, s = fp8.quantize_rows(t, pow2=pow2)
+            qr, sr = fp8.quantize_rows_reference(t, pow2=pow2)
+            out[f"quant_{name}_pow2={pow2}"] = (torch.equal(s, sr), int((q.view(torch.uint8) != qr.view(torch.uint8))
+                                                                         .sum()))
+    T, D, Fh, E_glob, K, e0, e1 = 777, 256, 128, 64, 8, 16, 48
+    pool = torch.tensor([e for e in range(E_glob) if not 16 <= e < 24])  # zero-token experts inside the range
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)]).to(device)
+    plan = route_indices(idx, e0, e1)
+    R = int(plan.num_rows)
+    aq, as_ = fp8.quantize_rows(torch.randn(T * K, D, generator=g).to(device, torch.bfloat16))
+    bq, bs = fp8.quantize_operand(torch.randn(e1 - e0, D, Fh, generator=g).to(device, torch.bfloat16))
+    try:
+        c = fp8.scaled_grouped_mm(aq, as_, bq, bs, plan, "torch")[:R]
+        out["scaled_gmm_torch_vs_emulation"] = rel(c, fp8.scaled_grouped_mm(aq, as_, bq, bs, plan, "reference")[:R])
+    except Exception as e:  # noqa: BLE001  (report and continue: the benchmark must print its table)
+        out["scaled_gmm_torch_vs_emulation"] = f"ERROR {e!r}"[:300]
+    ts = [torch.randn(T, D, generator=g), torch.rand(T, K, generator=g), torch.randn(e1 - e0, Fh, D, generator=g) / 8,
+          torch.randn(e1 - e0, Fh, D, generator=g) / 8, torch.randn(e1 - e0, D, Fh, generator=g) / 6]
+    ts = [t.to(device, torch.bfloat16) for t in ts]
+    dy = torch.randn(T, D, generator=g).to(device, torch.bfloat16)
+
+    def run(fn, **kw):
+        ps = [t.clone().requires_grad_() for t in ts]
+        y = fn(ps[0], idx, ps[1], *ps[2:], e_start=e0, **kw)
+        return [y, *torch.autograd.grad(y, ps, dy)]
+
+    try:
+        got = run(fast_experts, precision="fp8")
+        emu = run(fast_experts, precision="fp8", gemm_impl="reference")
+        ref = run(experts_reference)
+        out["layer_fp8_vs_emulated"] = [f"{rel(a, b):.1e}" for a, b in zip(got, emu)]
+        out["layer_fp8_vs_bf16_reference"] = [f"{rel(a, b):.1e}" for a, b in zip(got, ref)]
+    except Exception as e:  # noqa: BLE001
+        out["layer_fp8"] = f"ERROR {e!r}\n{traceback.format_exc()}"[-1500:]
+    for k, v in out.items():
+        log(f"  fp8 check {k}: {v}")
+    return out
+
+
+def stage_timings(params, x_TD, dims: Dims, device, log):
+    """The FP8 path's own stages, and the 2d x 2d FP8 grouped GEMM a weight gradient would need (16-aligned groups)."""
+    from moe_launch.kernels import fp8, gather, swiglu
+    from moe_launch.kernels.index_gen import route_indices
+    from moe_launch.kernels.moe import _Fp8Gemms
+
+    router_ED, wg, wu, wd = params
+    w_TK, idx_TK = route(x_TD, router_ED, dims.K)
+    plan = route_indices(idx_TK, 0, dims.E)
+    mm = _Fp8Gemms(plan, "torch")
+    xq_ND, xs_N = mm.gathered_rows(x_TD)
+    bg = fp8.quantize_operand(wg.transpose(1, 2))
+    g_NF = fp8.scaled_grouped_mm(xq_ND, xs_N, *bg, plan)
+    h_NF = swiglu.swiglu_fwd(g_NF, g_NF, plan.num_rows)
+    N, E, D, Fh = xq_ND.shape[0], dims.E, dims.D, dims.F
+    ends = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (N // E)  # equal 16-aligned groups
+    aT = torch.randn(D, N, device=device).to(torch.float8_e4m3fn)  # dy^T, row-major (K = tokens contiguous)
+    bT = torch.randn(Fh, N, device=device).to(torch.float8_e4m3fn).t()  # h, column-major
+    sa, sb = torch.rand(E * D, device=device) + 0.5, torch.rand(E * Fh, device=device) + 0.5
+    wgrad = lambda: torch._scaled_grouped_mm(aT, bT, sa, sb, offs=ends, out_dtype=torch.bfloat16)
+    stages = {
+        "fp8 quantize x_TD (T rows)": lambda: fp8.quantize_rows(x_TD),
+        "fp8 gathered rows x_ND (quantize + gather + scales)": lambda: mm.gathered_rows(x_TD),
+        "fp8 gathered rows dy_ND (with w_TK)": lambda: mm.gathered_rows(x_TD, w_TK),
+        "fp8 quantize w_gate, fwd channels (rows)": lambda: fp8.quantize_operand(wg.transpose(1, 2)),
+        "fp8 quantize w_gate, dgrad channels (strided)": lambda: fp8.quantize_operand(wg),
+        "fp8 quantize w_down, dgrad channels (strided)": lambda: fp8.quantize_operand(wd),
+        "fp8 quantize h_NF (N rows of F)": lambda: fp8.quantize_rows(h_NF, plan.num_rows),
+        "fp8 gmm gate (scaled_grouped_mm)": lambda: fp8.scaled_grouped_mm(xq_ND, xs_N, *bg, plan),
+        "variant: fp8 gmm gate, use_fast_accum=True": lambda: torch._scaled_grouped_mm(
+            xq_ND, bg[0], xs_N, bg[1], offs=plan.ends_E, out_dtype=torch.bfloat16, use_fast_accum=True),
+        "bf16 gathered rows x_ND (for the wgrad)": lambda: gather.gather_rows(x_TD, plan.row_token_N, plan.num_rows),
+        "variant: fp8 wgrad 2d x 2d, equal groups": wgrad,
+    }
+    res = {}
+    for name, fn in stages.items():
+        try:
+            res[name] = bench(fn, device, rep_ms=200)
+        except Exception as e:  # noqa: BLE001
+            res[name] = float("nan")
+            log(f"  stage {name} failed: {e!r}"[:400])
+        log(f"  stage {name:52s} {res[name]:8.3f} ms")
+    try:  # is the 2d x 2d result the per-group product, scales group-major?
+        c = wgrad().float()
+        a_, b_ = aT.float(), bT.float()
+        lo = 0
+        ref = []
+        for e in range(E):
+            hi = int(ends[e])
+            ref.append((a_[:, lo:hi] * 1) @ b_[lo:hi] * sa[e * D:(e + 1) * D, None] * sb[None, e * Fh:(e + 1) * Fh])
+            lo = hi
+        res["variant: fp8 wgrad 2d x 2d rel err vs fp32"] = rel(c, torch.stack(ref))
+        log(f"  fp8 wgrad 2d x 2d vs fp32 per-group product: {res['variant: fp8 wgrad 2d x 2d rel err vs fp32']:.1e}")
+    except Exception as e:  # noqa: BLE001
+        log(f"  fp8 wgrad 2d x 2d check failed: {e!r}"[:400])
+    return res
