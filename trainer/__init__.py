@@ -4,5 +4,6 @@
   optim/       learning-rate schedules                     parallel/   groups, sharded AdamW, EP dispatch
   checkpoint/  dual atomic checkpoints                     data/       tokenization, shards, TokenLoader
   loop.py      the Trainer                                 faults.py   NaN/Inf detection and injection
-  metrics.py   metrics.jsonl, TensorBoard, heartbeats      dist.py     rank detection, process group
+  metrics.py   metrics.jsonl, TensorBoard                  dist.py     rank detection, process group
+  heartbeat.py per-rank heartbeats, off the training thread
 """

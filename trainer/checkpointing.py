@@ -17,7 +17,6 @@ from moe_launch.trainer import faults
 from moe_launch.trainer.checkpoint import layout as ckpt_layout
 from moe_launch.trainer.checkpoint.manager import CheckpointManager
 from moe_launch.trainer.checkpoint.state import FileNames, device_state
-from moe_launch.trainer.metrics import write_heartbeat
 from moe_launch.trainer.optim import lr_at
 from moe_launch.trainer.restore import dtype_name
 from moe_launch.trainer.tracking.steplog import LOGGER
@@ -61,7 +60,7 @@ class Checkpointing:
         reason = self.ckpt.save(done, full, model_only, lambda rels: device_state(
             rels, self.ckpt.files, self.model, self.optimizer, self._trainer_state(done), self.device),
             position=self._position(done) if model_only else None)
-        write_heartbeat(self.run_dir, self.rank, done, self.host)  # waiting for a slow persist is no hang
+        self.heartbeat.beat(done)  # waiting for a slow persist is no hang
         return None if reason is None else self._stop_checkpoint_write(done, reason)
 
     def _skip_checkpoint(self, done: int) -> bool:

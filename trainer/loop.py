@@ -49,13 +49,13 @@ from moe_launch.trainer.checkpointing import Checkpointing
 from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.dtypes import cast_parameters, compute_dtype, param_dtype, set_determinism
+from moe_launch.trainer.heartbeat import HeartbeatWriter
 from moe_launch.trainer.metrics import (
     MetricsSink,
     PerfRefs,
     load_summary,
     memory_gib,
     preflight_gemm_rate,
-    write_heartbeat,
 )
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
@@ -205,6 +205,7 @@ class Trainer(Restore, Checkpointing):
                      f"parameters {self.param_dtype}")
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tracking, t.progress, config=asdict(self.cfg))
         code: Optional[int] = None
+        self.heartbeat = HeartbeatWriter(self.run_dir, self.rank, self.host)
         try:
             for step in range(self.start_step, t.steps):
                 code = self._step(step, sink)
@@ -219,6 +220,7 @@ class Trainer(Restore, Checkpointing):
             self.ckpt.finish_quietly()
             raise
         finally:
+            self.heartbeat.close()
             if sink is not None:
                 sink.close()
             for sig, handler in previous.items():  # an embedding process (tests, notebooks) gets its handlers back
@@ -291,7 +293,7 @@ class Trainer(Restore, Checkpointing):
         if self.balancer is not None and spike is None:
             self.balancer.update(self._stage_loads(per_layer))
 
-        write_heartbeat(self.run_dir, self.rank, done, self.host)
+        self.heartbeat.beat(done)
         if self._reserve_after_first_step is not None:
             self._reserve_after_first_step()
             self._reserve_after_first_step = None

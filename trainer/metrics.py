@@ -1,5 +1,5 @@
 """Step metrics on rank 0: metrics.jsonl, the plain log line (tracking/steplog.py), tracking backends (TensorBoard by
-default, W&B; tracking/tracker.py), rich's progress bar on a terminal; per-rank heartbeats.
+default, W&B; tracking/tracker.py), rich's progress bar on a terminal.
 
 metrics.jsonl fields per logged step: step (completed optimizer steps), loss, lm_loss, aux_loss, z_loss (the
 loss and its parts averaged over all data ranks; aux/z are the coefficient-weighted sums over layers), grad_norm
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -31,15 +29,6 @@ from moe_launch.trainer.tracking.steplog import LOGGER, format_step_line
 from moe_launch.trainer.tracking.tracker import Tracker
 
 log = logging.getLogger(LOGGER)
-
-
-def write_heartbeat(run_dir: RunDir, rank: int, step: int, host: str) -> None:
-    """Whole-file replace without fsync: readers need an untorn file, not durability, and an fsync per step
-    costs more than a tiny model's step on a busy disk."""
-    path = run_dir.heartbeat / f"rank{rank}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"step": step, "time": time.time(), "host": host, "pid": os.getpid()}))
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
