@@ -406,6 +406,8 @@ def main() -> None:
             mem = peak_mib(step, device)
             timing[name] = {"ms": ms, "fwd_ms": fms, "tflops": flops / ms / 1e9, "peak_mib": mem}
             log(f"timed {name}: {ms:.2f} ms fwd+bwd ({fms:.2f} fwd), peak {mem:.0f} MiB")
+            if name == FP8_ROW and device.type == "cuda":
+                timing[name]["kernels"] = moe_layer_fp8.kernel_breakdown(step, log)
         except Exception as e:  # noqa: BLE001
             log(f"timing {name} failed: {e!r}")
     results["timing"] = timing

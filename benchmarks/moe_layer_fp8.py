@@ -37,8 +37,9 @@ def checks(device, log):
         for name, t in (("rows", x), ("weight_channels", w.transpose(1, 2))):
             q, s = fp8.quantize_rows(t, pow2=pow2)
             qr, sr = fp8.quantize_rows_reference(t, pow2=pow2)
-            out[f"quant_{name}_pow2={pow2}"] = (torch.equal(s, sr), int((q.view(torch.uint8) != qr.view(torch.uint8))
-                                                                         .sum()))
+            differ = q.view(torch.uint8) != qr.view(torch.uint8)  # (scales equal, codes differing, worst |dq|)
+            out[f"quant_{name}_pow2={pow2}"] = (torch.equal(s, sr), int(differ.sum()),
+                                                float((q.float() - qr.float()).abs().max()))
     T, D, Fh, E_glob, K, e0, e1 = 777, 256, 128, 64, 8, 16, 48
     pool = torch.tensor([e for e in range(E_glob) if not 16 <= e < 24])  # zero-token experts inside the range
     idx = torch.stack([pool[torch.randperm(len(pool), generator=g)[:K]] for _ in range(T)]).to(device)
@@ -130,3 +131,25 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     except Exception as e:  # noqa: BLE001
         log(f"  fp8 wgrad 2d x 2d check failed: {e!r}"[:400])
     return res
+
+
+def kernel_breakdown(step, log, iters: int = 5) -> dict:
+    """CUDA time per kernel name over `iters` calls of step() (torch.profiler), largest first, per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            rows[ev.key[:90]] = (us / iters / 1e3, ev.count // iters)
+    rows = dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
+    log(f"  kernels of one FP8 fwd+bwd (ms per call, launches): total {sum(v[0] for v in rows.values()):.2f} ms")
+    for name, (ms, n) in list(rows.items())[:14]:
+        log(f"    {ms:7.3f} ms  x{n:<3d} {name}")
+    return rows

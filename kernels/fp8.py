@@ -3,10 +3,11 @@
 Scaling follows DeepSeek-V3's fine-grained recipe at the granularity torch's rowwise scaled grouped GEMM takes:
   activations a_NK   one scale per row (token row): amax over K
   expert weights     one scale per output channel: the b operand b_EKM gets s_EM, amax over K for each (e, m)
-  x ~= q * s, q in e4m3 (|q| <= 448), s = max(amax, AMAX_EPS) / 448 (fp32 scales) or that rounded UP to a power of
-  two (pow2 scales, the default: dividing by a power of two is exact and the largest |q| still lands in (224, 448]).
-  The quantized value is the round-to-nearest-even e4m3 neighbour of x / s, clamped to +-448 (saturating, never
-  inf/NaN). An all-zero row gets the tiny scale AMAX_EPS / 448 and all-zero codes.
+  x ~= q * s, q in e4m3 (|q| <= 448), s = max(amax, AMAX_EPS) * fp32(1/448) (fp32 scales) or that rounded UP to a
+  power of two (pow2 scales, the default: dividing by a power of two is exact and the largest |q| lands in
+  [224, 448]). q is the round-to-nearest-even e4m3 neighbour of x * (1/s) (IEEE fp32 ops, the same on the GPU, in
+  the interpreter and in torch), clamped to +-448 (saturating, never inf/NaN). An all-zero row gets the tiny scale
+  AMAX_EPS / 448 and all-zero codes.
 
 Shapes: N row capacity, R valid rows (device scalar), K contraction dim, M output dim, E local experts.
 
@@ -35,8 +36,9 @@ AMAX_EPS = 1e-12  # floor of a row's amax: zero rows get a finite scale and zero
 
 @triton.jit
 def _round_e4m3(v):
-    """v (fp32, |v| <= 448) -> the nearest e4m3 value, ties to even, as fp32. Done in fp32 so that the final cast is
-    exact: the cast itself rounds the same on sm90, but Triton's CPU interpreter rounds wrongly across a binade."""
+    """v (fp32, |v| <= 448) -> the nearest e4m3 value, ties to even, as fp32, so that the cast after it is exact.
+    Only for Triton's CPU interpreter, whose fp32 -> e4m3 cast rounds wrongly across a binade; on the GPU the cast
+    instruction itself rounds to nearest even (cvt.rn.satfinite)."""
     a = tl.abs(v)
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # binade of |v| (-127 for 0)
     e = tl.maximum(e, -6)  # below 2^-6 e4m3 is subnormal: a fixed step of 2^-9
@@ -49,11 +51,29 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _scales(amax, POW2: tl.constexpr):
+    """-> (s, 1/s) of rows with this amax. 1/s by IEEE division (div_rn: the plain `/` approximates on the GPU)."""
+    s = tl.maximum(amax, 1e-12) * 0.002232142857142857  # AMAX_EPS, 1 / E4M3_MAX (rounded to fp32, as in torch)
+    if POW2:  # round the scale up to a power of two: add all-ones to the mantissa, keep the exponent
+        s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    return s, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def _encode(x, inv_s, q_ty, SOFT_ROUND: tl.constexpr):
+    v = tl.minimum(tl.maximum(x * inv_s[:, None], -448.0), 448.0)
+    if SOFT_ROUND:
+        v = _round_e4m3(v)
+    return v.to(q_ty)
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr, q_ptr, s_ptr,  # x [B, R, C] any strides; q [B, R, C] contiguous e4m3; s [B, R] fp32
     num_rows_ptr,  # int32 [] rows per batch to quantize (HAS_NUM_ROWS); rows beyond it are left unwritten
     R, C, s_xb, s_xr, s_xc,
-    POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,  # ONE_PASS: C <= BLOCK_C
 ):
     b = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -62,22 +82,26 @@ def _quant_rows_kernel(
         row_ok = row_ok & (rows < tl.load(num_rows_ptr))
     x_rows = x_ptr + b * s_xb + rows.to(tl.int64)[:, None] * s_xr
     q_rows = q_ptr + (b * R + rows.to(tl.int64))[:, None] * C
-    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):  # pass 1: amax of each row
-        cols = c0 + tl.arange(0, BLOCK_C)
+    q_ty = q_ptr.dtype.element_ty
+    if ONE_PASS:  # the whole row in registers: one read
+        cols = tl.arange(0, BLOCK_C)
         m = row_ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    s = tl.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
-    if POW2:  # round the scale up to a power of two: add all-ones to the mantissa, keep the exponent
-        s = ((s.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    for c0 in range(0, C, BLOCK_C):  # pass 2: quantize (the re-read comes from cache)
-        cols = c0 + tl.arange(0, BLOCK_C)
-        m = row_ok[:, None] & (cols < C)[None, :]
-        x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-        # div_rn: IEEE division, as torch's (the default `/` on the GPU is an approximation within 2 ulp)
-        v = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -448.0), 448.0)
-        tl.store(q_rows + cols[None, :], _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=m)
+        s, inv_s = _scales(tl.max(tl.abs(x), axis=1), POW2)
+        tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ty, SOFT_ROUND), mask=m)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):  # pass 1: amax of each row
+            cols = c0 + tl.arange(0, BLOCK_C)
+            m = row_ok[:, None] & (cols < C)[None, :]
+            x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        s, inv_s = _scales(amax, POW2)
+        for c0 in range(0, C, BLOCK_C):  # pass 2: quantize (the re-read comes from cache)
+            cols = c0 + tl.arange(0, BLOCK_C)
+            m = row_ok[:, None] & (cols < C)[None, :]
+            x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+            tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ty, SOFT_ROUND), mask=m)
     tl.store(s_ptr + b * R + rows, s, mask=row_ok)
 
 
@@ -93,19 +117,20 @@ def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None,
     s = torch.empty(B, R, dtype=torch.float32, device=x.device)
     if q.numel() > 0:
         cuda = x.is_cuda
-        if x3.stride(2) == 1 or not cuda:  # rows contiguous: whole rows per program
-            BLOCK_C = min(next_pow2(C), 2048)
+        if x3.stride(2) == 1 or not cuda:  # rows contiguous: whole rows per program, in one read up to 4096
+            BLOCK_C = min(next_pow2(C), 4096)
             BLOCK_R = max(1, (8192 if cuda else 65536) // BLOCK_C)
         else:  # channels of a weight read across its rows: tiles whose memory-contiguous axis is the row axis
             BLOCK_R, BLOCK_C = 64, min(next_pow2(C), 64)
         nr = num_rows if num_rows is not None else s  # unused when HAS_NUM_ROWS is False
         launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, q, s, nr, R, C, *x3.stride(),
-               POW2=pow2, HAS_NUM_ROWS=num_rows is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C)
+               POW2=pow2, HAS_NUM_ROWS=num_rows is not None, SOFT_ROUND=not cuda, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+               ONE_PASS=C <= BLOCK_C, num_warps=8 if cuda and BLOCK_R * BLOCK_C >= 8192 else 4)
     return q.view(x.shape), s.view(x.shape[:-1])
 
 
 def row_scales_reference(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
-    s = x.float().abs().amax(-1).clamp_min(AMAX_EPS) / E4M3_MAX
+    s = x.float().abs().amax(-1).clamp_min(AMAX_EPS) * (1 / E4M3_MAX)
     return torch.exp2(torch.ceil(torch.log2(s))) if pow2 else s
 
 
@@ -113,7 +138,7 @@ def quantize_rows_reference(x: torch.Tensor, num_rows: torch.Tensor | None = Non
                             pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract; every row is quantized (rows >= num_rows may hold anything)."""
     s = row_scales_reference(x, pow2)
-    q = (x.float() / s[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # torch's cast rounds to nearest even
+    q = (x.float() * s.reciprocal()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # the cast: nearest, ties even
     return q.contiguous(), s
 
 

@@ -48,9 +48,9 @@ def test_scales_from_amax(pow2):
     amax = x.abs().amax(1).clamp_min(fp8.AMAX_EPS)
     if pow2:
         assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
-        assert bool((s >= amax / 448).all() and (s < 2 * amax / 448).all())  # the smallest one that fits
+        assert bool((s >= amax / 448 * (1 - 1e-6)).all() and (s < 2 * amax / 448).all())  # the smallest that fits
     else:
-        assert torch.equal(s, amax / 448)
+        assert torch.equal(s, amax * (1 / 448))  # times fp32(1/448): one IEEE product on every device
     q, s2 = fp8.quantize_rows_reference(x, pow2=pow2)
     assert torch.equal(s, s2)
     peak = q.float().abs().amax(1)[amax > fp8.AMAX_EPS]
