@@ -11,6 +11,7 @@ possible), 8 checkpoints kept failing to persist (storage); anything else is a c
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -68,14 +69,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run_trainer(cfg: Any, run_dir: RunDir, attempt: int, model: Any = None) -> int:
     """Join the process group of this rank's environment and train; the exit code. `model`: a warm standby's."""
     from moe_launch.trainer.dist import collective_timeout_s, detect_env, init_distributed, pick_device, settle
-    from moe_launch.trainer.loop import Trainer
 
     code = EXIT_CONFIG
     try:
         env = detect_env(os.environ)
         device = pick_device(env)
         init_distributed(env, device, timeout_s=collective_timeout_s(cfg.supervisor.hang_timeout_s))
-        code = Trainer(cfg, run_dir, attempt=attempt, device=device, model=model).train()
+        code = build_trainer(cfg, run_dir, attempt, device, model).train()
     except (ConfigError, DataError) as e:
         print(f"[trainer] {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = EXIT_CONFIG
@@ -85,6 +85,25 @@ def run_trainer(cfg: Any, run_dir: RunDir, attempt: int, model: Any = None) -> i
     if code == EXIT_OK:
         settle()  # on failure paths peers may be gone: leave without a collective
     return code
+
+
+def build_trainer(cfg: Any, run_dir: RunDir, attempt: int, device: Any, model: Any = None) -> Any:
+    """The Trainer, restored from the newest slot that passes its digest check. The check runs while the slot loads;
+    when it fails (every rank raises at the same point), what was loaded is dropped and the trainer is built again,
+    checking the slots before loading."""
+    from moe_launch.trainer.loop import Trainer
+    from moe_launch.trainer.restore import UnverifiedResume
+
+    try:
+        return Trainer(cfg, run_dir, attempt=attempt, device=device, model=model)
+    except UnverifiedResume:
+        pass
+    gc.collect()  # the first build's model and optimizer, before the second allocates its own
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return Trainer(cfg, run_dir, attempt=attempt, device=device, model=model, verify_first=True)
 
 
 def leave(code: int) -> None:

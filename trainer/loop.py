@@ -76,7 +76,7 @@ from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 from moe_launch.trainer.pipeline import Pipeline, build_pipeline, pipeline_step
 from moe_launch.trainer.recompute import apply_recompute
-from moe_launch.trainer.restore import Restore
+from moe_launch.trainer.restore import Restore, UnverifiedResume
 from moe_launch.trainer.spike import (
     RollbackState,
     Spike,
@@ -96,9 +96,9 @@ log = logging.getLogger(LOGGER)
 
 class Trainer(Restore, Checkpointing):
     def __init__(self, cfg: RootConfig, run_dir: RunDir, attempt: int = 0, device: torch.device = torch.device("cpu"),
-                 model: Optional[torch.nn.Module] = None):
+                 model: Optional[torch.nn.Module] = None, verify_first: bool = False):
         """`model`: built, compiled and run once ahead of time by a warm standby (trainer/standby.py warm_model);
-        else built here."""
+        else built here. `verify_first`: check the resume slot's digests before loading it, not while (restore.py)."""
         self.cfg, self.run_dir, self.attempt, self.device = cfg, run_dir.make(), attempt, device
         t, p = cfg.train, cfg.parallel
         self.groups = build_groups(p)
@@ -146,7 +146,22 @@ class Trainer(Restore, Checkpointing):
             compile_model(self.model)
         self.loader = self._open_data()
         self.phases.mark("restore_start")
-        self.resume = self._choose_resume()
+        self.resume = self._choose_resume(verify_first)
+        try:  # loads from a slot whose digest check may still be running (restore.py)
+            self._restore_state()
+        except UnverifiedResume:
+            raise
+        except Exception:
+            self._explain_load_error()  # a failed check is the cause: UnverifiedResume
+            raise
+        self._confirm_resume()
+        self.ckpt = self._checkpoint_manager()
+        self.phases.mark("restore_end")
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def _restore_state(self) -> None:
+        """Rollback state, weights, optimizer, RNG and data position from the chosen slot (or the fresh start)."""
+        t, p, cfg = self.cfg.train, self.cfg.parallel, self.cfg
         self.rollback = self.comm.broadcast_object(RollbackState.read(self.run_dir.root) if self.rank == 0 else None)
         captured = ckpt_state.load_trainer_state(self.resume.path)["time"] if self.resume.path is not None else None
         if rollback_applies(self.rollback.pending, captured):
@@ -171,10 +186,7 @@ class Trainer(Restore, Checkpointing):
             self.loader.load_state_dict(saved_state["data"])
             if self.spikes is not None:  # a resumed run judges spikes against the history the original had
                 self.spikes = SpikeDetector(t.spike, saved_state.get("spike_history"))
-        self.ckpt = self._checkpoint_manager()
-        self.phases.mark("restore_end")
 
-    # -- setup ---------------------------------------------------------------------------------------------------
     def _open_data(self):
         from moe_launch.trainer.data import TokenLoader, resolve_dataset
 

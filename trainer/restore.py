@@ -3,10 +3,16 @@
 
 A mixin of trainer/loop.py's Trainer (it reads the Trainer's groups, coordinates, model and optimizer):
 
-    resume = self._choose_resume()        # rank 0 verifies the slots, every rank gets the choice
+    resume = self._choose_resume(verify_first)  # rank 0 picks the slot, every rank gets the choice
     start_step = self._load_model()       # weights (read by one DP member per replica group, then broadcast)
     ...                                   # parameters cast, optimizer built
     self._load_optimizer_and_rng(path)    # the exact fp32 masters and moments, the RNG states
+    self._confirm_resume()                # rank 0's digest check passed, or every rank raises UnverifiedResume
+
+The digest check of the newest slot runs while the slot is being loaded (the loads then read pages the check has
+just brought in, so the disk reads each byte once and the restore costs about one read of the checkpoint). Nothing
+loaded is used before the check passed: when it fails, every rank raises UnverifiedResume at _confirm_resume and the
+trainer is built again with verify_first=True, which checks the slots before reading any (the older one then).
 
 A resume under another DP size or optimizer sharding reshards the optimizer (checkpoint/resume.py); under another EP
 size or PP split the model and optimizer are reassembled by parameter name (checkpoint/relayout.py).
@@ -19,11 +25,11 @@ from typing import Optional
 import torch
 
 from moe_launch.errors import CheckpointError, ConfigError
-from moe_launch.rundir import journal_event
+from moe_launch.rundir import journal_event, read_jsonl
 from moe_launch.trainer.checkpoint import relayout
 from moe_launch.trainer.checkpoint import state as ckpt_state
 from moe_launch.trainer.checkpoint.resume import load_optimizer_resharded, resume_mode
-from moe_launch.trainer.checkpoint.store import SlotChoice, choose_resume_slot
+from moe_launch.trainer.checkpoint.store import PendingResume, SlotChoice, choose_resume_slot, read_manifest
 from moe_launch.trainer.host_restore import is_held
 from moe_launch.trainer.interop.hf import hf_path, hf_state_for_rank, load_hf_into_model
 from moe_launch.trainer.parallel.broadcast import broadcast_model
@@ -36,15 +42,72 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class UnverifiedResume(Exception):
+    """The slot being loaded failed its digest check (raised on every rank, at the same point)."""
+
+
 class Restore:
-    def _choose_resume(self) -> SlotChoice:
-        """Rank 0 verifies the slots (reads every file once) and tells the others."""
-        choice = choose_resume_slot(self.run_dir.checkpoints) if self.rank == 0 else None
+    def _choose_resume(self, verify_first: bool) -> SlotChoice:
+        """Rank 0 picks the slot and tells the others: the newest with a manifest, checked while it loads, or with
+        `verify_first` the newest that verifies (every file read once before any load)."""
+        self._pending_resume: Optional[PendingResume] = None
+        self._resume_record: Optional[dict] = None
+        choice = None
+        if self.rank == 0:
+            if verify_first:
+                choice = choose_resume_slot(self.run_dir.checkpoints, skip=self._slots_rejected_before())
+            else:
+                self._pending_resume = PendingResume(self.run_dir.checkpoints, skip=self._slots_rejected_before(),
+                                                     on_reject=self._journal_rejection)
+                choice = self._pending_resume.choice
         choice = self.comm.broadcast_object(choice)
         if self.rank == 0 and choice.rejected:
             for slot, reason in choice.rejected.items():
                 print(f"[trainer] checkpoint {slot} rejected: {reason}", flush=True)
         return choice
+
+    def _journal_rejection(self, slot: str, step: int, reason: str) -> None:
+        """From the check's thread: recorded at once, so that a relaunch skips the slot even when this process
+        never gets to _confirm_resume (a load error on another rank ends the job first)."""
+        journal_event(self.run_dir, "info", self.hosts[:1], checkpoint_rejected=slot, manifest_step=step,
+                      reason=reason, attempt=self.attempt)
+
+    def _slots_rejected_before(self) -> dict[str, str]:
+        """{slot: why} for the slots an earlier attempt's check rejected that still hold the same checkpoint."""
+        bad = {}
+        for record in read_jsonl(self.run_dir.journal):
+            d = record.get("details", {})
+            if record.get("kind") != "info" or "checkpoint_rejected" not in d:
+                continue
+            manifest = read_manifest(self.run_dir.checkpoints / d["checkpoint_rejected"])
+            if manifest is not None and manifest.get("step") == d.get("manifest_step"):
+                bad[d["checkpoint_rejected"]] = f"rejected by attempt {d.get('attempt')}: {d.get('reason')}"
+        return bad
+
+    def _explain_load_error(self) -> None:
+        """A load from a slot still being checked raised. In a world of one, a failed check makes it a fall-back
+        (UnverifiedResume); with more ranks the peers sit in collectives this rank will not join, so the error ends
+        the job and the relaunch skips the slot (the check journaled its rejection)."""
+        if self._pending_resume is None or self.resume.path is None:
+            return
+        ok, reason = self._pending_resume.confirm()
+        if not ok and self.groups.world_size == 1:
+            print(f"[trainer] checkpoint {self.resume.path.name} rejected while loading: {reason}", flush=True)
+            raise UnverifiedResume(reason)
+
+    def _confirm_resume(self) -> None:
+        """Collective: after every load from the slot, before anything runs on what was loaded."""
+        if self._pending_resume is None or self.resume.path is None:  # nothing checked, or nothing loaded from it
+            verdict = (True, "ok")
+        else:
+            verdict = self._pending_resume.confirm()
+        ok, reason = self.comm.broadcast_object(verdict if self.rank == 0 else None)
+        if not ok:
+            if self.rank == 0:
+                print(f"[trainer] checkpoint {self.resume.path.name} rejected after loading: {reason}", flush=True)
+            raise UnverifiedResume(reason)
+        if self.rank == 0 and self._resume_record is not None:
+            journal_event(self.run_dir, "resume", self.hosts[:1], **self._resume_record)
 
     def _load_model(self) -> int:
         """Weights from the resume slot, else from model.init_from=ckpt:..., else the fresh init (identical on every
@@ -57,12 +120,11 @@ class Restore:
             self.saved_layout = saved["layout"]
             self.resume_mode = resume_mode(self.saved_layout, self._layout())
             self._load_and_broadcast(self.resume.path)
-            if self.rank == 0:
-                journal_event(self.run_dir, "resume", self.hosts[:1], checkpoint=str(self.resume.path),
-                              slot=self.resume.path.name, step=saved["step"], fell_back=self.resume.fell_back,
-                              rejected=self.resume.rejected, attempt=self.attempt,
-                              from_memory=is_held(self.resume.path),
-                              resharded=self.resume_mode != "same")
+            # journaled by _confirm_resume, once the slot's digest check passed
+            self._resume_record = dict(checkpoint=str(self.resume.path), slot=self.resume.path.name, step=saved["step"],
+                                       fell_back=self.resume.fell_back, rejected=self.resume.rejected,
+                                       attempt=self.attempt, from_memory=is_held(self.resume.path),
+                                       resharded=self.resume_mode != "same")
             return int(saved["step"])
         init_from = self.cfg.model.init_from
         if self.rollback.pending is not None:

@@ -11,7 +11,9 @@ from moe_launch.conf.schema import FaultInjection
 from moe_launch.rundir import EXIT_OK, read_jsonl
 from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot
 from moe_launch.trainer.faults import InjectedCrash
+from moe_launch.trainer.__main__ import build_trainer
 from moe_launch.trainer.loop import Trainer
+from moe_launch.trainer.restore import UnverifiedResume
 
 torch.set_num_threads(1)
 
@@ -45,12 +47,15 @@ def test_resume_from_either_checkpoint_is_bitwise_equal(tmp_path, data_cache):
     assert trainer.train() == EXIT_OK
     assert {s: v for s, v in _losses(run, 6).items()} == {s: ref_losses[s] for s in (7, 8)}
 
-    # older checkpoint (step 4): corrupt the newest's model file; resume must fall back and say so
+    # older checkpoint (step 4): corrupt the newest's model file; resume must fall back and say so. The slot is
+    # loaded while its digests are checked: the Trainer itself refuses what it loaded, build_trainer falls back
     model_file = damaged.checkpoints / "ckpt-a" / "model" / "dense.pt"
     data = bytearray(model_file.read_bytes())
     data[-100] ^= 0x55
     model_file.write_bytes(bytes(data))
-    trainer = Trainer(crash, damaged, attempt=1)
+    with pytest.raises(UnverifiedResume, match="mismatch"):
+        Trainer(crash, damaged, attempt=1)
+    trainer = build_trainer(crash, damaged, 1, torch.device("cpu"))
     assert trainer.start_step == 4
     assert trainer.train() == EXIT_OK
     assert _losses(damaged, 4) == {s: ref_losses[s] for s in (5, 6, 7, 8)}

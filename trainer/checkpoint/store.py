@@ -320,18 +320,23 @@ class SlotChoice:
     rejected: dict[str, str] = field(default_factory=dict)  # slot name -> why it was not used
 
 
-def choose_resume_slot(ckpt_root: Path) -> SlotChoice:
-    """The newest slot whose manifest verifies; slots with broken manifests count as 'newer' than any valid one
-    (a crash mid-write is the usual cause), so using an older slot is reported as a fall-back."""
-    candidates = []
+def _candidates(ckpt_root: Path) -> list[tuple[float, str, Path]]:
+    """The slots present, newest first; a slot with a broken manifest counts as newer than any valid one (a crash
+    mid-write is the usual cause), so using an older slot is reported as a fall-back."""
+    found = []
     for name in SLOTS:
         d = Path(ckpt_root) / name
         if d.exists():
             m = read_manifest(d)
-            candidates.append((m["step"] if m else float("inf"), name, d))
+            found.append((m["step"] if m else float("inf"), name, d))
+    return sorted(found, reverse=True)
+
+
+def choose_resume_slot(ckpt_root: Path, skip: Optional[dict[str, str]] = None) -> SlotChoice:
+    """The newest slot whose manifest verifies. `skip`: slots already rejected, {name: why}."""
     choice = SlotChoice(path=None)
-    for step, name, d in sorted(candidates, reverse=True):
-        ok, reason = verify(d)
+    for step, name, d in _candidates(ckpt_root):
+        ok, reason = (False, skip[name]) if skip and name in skip else verify(d)
         if ok:
             choice.path, choice.step = d, int(step)
             break
@@ -340,6 +345,49 @@ def choose_resume_slot(ckpt_root: Path) -> SlotChoice:
     if choice.path is None:
         choice.fell_back = False
     return choice
+
+
+class PendingResume:
+    """The newest slot with a manifest, its digest check running in a thread of its own so the loads can read the
+    slot meanwhile (both read the same pages, so the disk reads each byte once). `confirm()` says whether the check
+    passed; when it did not, what was loaded is discarded and `choose_resume_slot(root, skip=rejected)` decides.
+    `skip`: slots already known bad, {name: why}. `on_reject(name, step, reason)` runs in the check's thread when
+    the check fails, so the rejection is recorded even while the caller is blocked elsewhere."""
+
+    def __init__(self, ckpt_root: Path, skip: Optional[dict[str, str]] = None,
+                 on_reject: Optional[Callable[[str, int, str], None]] = None):
+        self.choice = SlotChoice(path=None)
+        self._check: Optional[ThreadPoolExecutor] = None
+        self._future = None
+        for step, name, d in _candidates(ckpt_root):
+            if step == float("inf") or (skip and name in skip):  # rejected without reading
+                known = (skip or {}).get(name)
+                self.choice.rejected[name] = known or f"{d}: missing or unreadable {MANIFEST}"
+                self.choice.fell_back = True
+                continue
+            self.choice.path, self.choice.step = d, int(step)
+            self._check = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-verify-resume")
+            self._future = self._check.submit(self._verify, d, name, int(step), on_reject)
+            break
+        if self.choice.path is None:
+            self.choice.fell_back = False
+
+    @staticmethod
+    def _verify(d: Path, name: str, step: int, on_reject) -> tuple[bool, str]:
+        ok, reason = verify(d)
+        if not ok and on_reject is not None:
+            on_reject(name, step, reason)
+        return ok, reason
+
+    def confirm(self) -> tuple[bool, str]:
+        """(ok, reason) of the chosen slot's check (True when there is nothing to check)."""
+        if self._future is None:
+            return True, "ok"
+        try:
+            return self._future.result()
+        finally:
+            self._check.shutdown()
+            self._check, self._future = None, None
 
 
 def next_slot(newest_valid: Optional[str]) -> str:
