@@ -22,8 +22,9 @@ Activations are quantized at token granularity where the rows are copies of a to
 (T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is
 w[t,k] times the token's scale. h and dg, du are quantized after the SwiGLU kernels. The three weight-gradient GEMMs
 stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
-(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost that eats most of what
-FP8 would save there. Everything saved for backward is the bf16 path's; outputs and gradients come back in bf16.
+(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
+would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's; outputs
+and gradients come back in bf16 (in the caller's dtype for the inputs' gradients: the casts sit outside).
 """
 
 from __future__ import annotations
