@@ -57,6 +57,7 @@ def test_scales_from_amax(pow2):
     assert bool((peak <= 448).all() and (peak >= (224 if pow2 else 448)).all())  # the range is used, never exceeded
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the -inf row: inf * 0 is NaN
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_zero_rows_and_saturation(impl, pow2):
@@ -195,17 +196,22 @@ def test_precision_config_is_checked():
 
 
 def test_fp8_layer_is_refused_off_sm90_before_allocating(monkeypatch):
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, precision="fp8")
+
     def never(*a, **k):
         raise AssertionError("the layer started building before the precision check")
 
-    monkeypatch.setattr(layer_mod, "Router", never)
-    with torch.device("cpu"), pytest.raises(ConfigError) as err:
-        layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, precision="fp8"))
+    with monkeypatch.context() as m:
+        m.setattr(layer_mod, "Router", never)
+        with torch.device("cpu"), pytest.raises(ConfigError) as err:
+            layer_mod.MoELayer(16, cfg)
     assert err.value.key == "model.moe.precision" and "precision=bf16" in str(err.value)
-    monkeypatch.setattr(layer_mod, "check_precision", lambda precision, device: None)  # as on an sm90 GPU
-    monkeypatch.undo()
-    built = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8))
-    assert built.experts_fn is not None
+    seen = []
+    monkeypatch.setattr(layer_mod, "check_precision", lambda precision, device: seen.append((precision, device)))
+    with torch.device("meta"):  # where build_model builds is the device checked
+        built = layer_mod.MoELayer(16, cfg)
+    assert seen == [("fp8", torch.device("meta"))]
+    assert built.experts_fn.func is fast_experts and built.experts_fn.keywords == {"precision": "fp8"}
 
 
 def test_fp8_binds_the_kernels_precision():
