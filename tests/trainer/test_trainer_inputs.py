@@ -65,3 +65,12 @@ def test_seq_len_above_model_max(tmp_path, capsys, data_cache):
 def test_missing_config(tmp_path, capsys):
     code = main(["--run-dir", str(tmp_path / "nowhere")])
     assert code == EXIT_CONFIG and "config.yaml" in capsys.readouterr().err
+
+
+def test_fp8_experts_off_hopper(tmp_path, capsys, data_cache):
+    """On the CPU (or any non-sm90 device) model.moe.precision=fp8 is refused before the model is built."""
+    cfg = tiny_cfg(data_cache)
+    cfg.model.moe.precision = "fp8"
+    code, err = _run(tmp_path, cfg, capsys)
+    assert code == EXIT_CONFIG and "model.moe.precision" in err and "precision=bf16" in err
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
