@@ -1,12 +1,14 @@
 """FastSparseMoE kernels: token counting, index generation, gather, grouped GEMM, output reduction.
 
 Entry points (each stage file holds the Triton path, a plain-torch reference, and one function that chooses):
-  moe.fast_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0) -> y_TD
-      drop-in for trainer.moe.reference.experts_reference (forward and autograd), what model.moe.impl=fast selects
+  moe.fast_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=0, precision="bf16") -> y_TD
+      drop-in for trainer.moe.reference.experts_reference (forward and autograd), what model.moe.impl=fast selects;
+      precision="fp8" (model.moe.precision) runs the forward and activation-gradient GEMMs in FP8 (fp8.py)
   index_gen.route_indices(idx_TK, e_start, e_end) -> RoutePlan     stages 1+2 (token_count.py, index_gen.py)
   gather.gather_rows(x_TD, plan.row_token_N, plan.num_rows) -> x_ND
   grouped_gemm.grouped_mm(a_NK, b_EKM, plan) / grouped_mm_wgrad(a_NM, b_NK, plan)
   swiglu.swiglu_fwd / swiglu_bwd
+  fp8.quantize_rows / scaled_grouped_mm       e4m3 with per-row / per-channel scales, torch._scaled_grouped_mm
   reduce.combine(rows_ND, plan.pair_row_TK, w_TK) -> y_TD / combine_bwd(dy_TD, rows_ND, pair_row_TK, w_TK)
 An expert-parallel dispatcher can run route_indices on the tokens it received (all-gathered or all-to-all'd) with
 its own [e_start, e_end) and call fast_experts on them: pairs routed elsewhere contribute nothing.
