@@ -9,9 +9,9 @@ from trainer_harness import tiny_cfg, write_run
 
 from moe_launch.conf.schema import FaultInjection
 from moe_launch.rundir import EXIT_OK, read_jsonl
+from moe_launch.trainer.__main__ import build_trainer
 from moe_launch.trainer.checkpoint.store import MANIFEST, choose_resume_slot
 from moe_launch.trainer.faults import InjectedCrash
-from moe_launch.trainer.__main__ import build_trainer
 from moe_launch.trainer.loop import Trainer
 from moe_launch.trainer.restore import UnverifiedResume
 
