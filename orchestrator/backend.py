@@ -8,16 +8,47 @@ through local_cluster.LocalStep, the launcher of the local trainer.
 
 from __future__ import annotations
 
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_DEFAULT_EPHEMERAL_LOW = 32768  # Linux's default first ephemeral port
 
-def free_port() -> int:
-    """A TCP port free on this host now, for a rendezvous (MASTER_PORT) of trainer or health ranks."""
+
+def rendezvous_ports(ip_local_port_range: Optional[str]) -> range:
+    """Pure: where a rendezvous port is drawn from: the 10,000 ports just below the kernel's ephemeral range (its
+    first number in `ip_local_port_range`, e.g. "32768\t60999"). A port inside that range can be taken by any
+    outgoing connection between our check and the trainer's bind, which on a busy host ended a launch with
+    EADDRINUSE at the rendezvous; below it the kernel never hands a port out by itself."""
+    try:
+        low = int(ip_local_port_range.split()[0]) if ip_local_port_range else _DEFAULT_EPHEMERAL_LOW
+    except (ValueError, IndexError):
+        low = _DEFAULT_EPHEMERAL_LOW
+    low = max(low, 2048)
+    return range(max(1024, low - 10_000), low)
+
+
+def free_port(host: str = "", rng: Optional[random.Random] = None) -> int:
+    """A TCP port free on this host now, for a rendezvous (MASTER_PORT) of trainer or health ranks: a random one of
+    `rendezvous_ports` that binds; the kernel's choice only if none of 64 tries does."""
+    try:
+        text = _PORT_RANGE_FILE.read_text()
+    except OSError:
+        text = None
+    ports, rng = rendezvous_ports(text), rng or random.Random()
+    for _ in range(64):
+        port = rng.choice(ports)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import socket
+from moe_launch.orchestrator.backend import free_port as _product_free_port
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it; there is a small race until the caller binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port that was free a moment ago, drawn where the supervisor draws its rendezvous ports (below the
+    kernel's ephemeral range, so no outgoing connection takes it before the caller binds)."""
+    return _product_free_port(host)
