@@ -16,14 +16,26 @@ def test_ports_lie_below_the_ephemeral_range():
     assert rendezvous_ports("garbage") == range(22768, 32768)
 
 
+def _first_choice_held(ports: range) -> tuple[int, socket.socket]:
+    """A seed whose first draw (what free_port(rng=Random(seed)) tries first) is bindable now, and that port held."""
+    for seed in range(100):
+        held = socket.socket()
+        try:
+            held.bind(("", random.Random(seed).choice(ports)))
+        except OSError:  # in use on this shared host already: try the next seed
+            held.close()
+            continue
+        held.listen()
+        return seed, held
+    raise AssertionError("no port of the rendezvous range binds")
+
+
 def test_free_port_binds_and_skips_a_taken_port():
     text = open("/proc/sys/net/ipv4/ip_local_port_range").read()
-    first = random.Random(7).choice(rendezvous_ports(text))  # what free_port(rng=Random(7)) tries first
-    with socket.socket() as held:
-        held.bind(("", first))
-        held.listen()
-        port = free_port(rng=random.Random(7))
-    assert port != first and port in rendezvous_ports(text)
+    seed, held = _first_choice_held(rendezvous_ports(text))
+    with held:
+        port = free_port(rng=random.Random(seed))
+        assert port != held.getsockname()[1] and port in rendezvous_ports(text)
     with socket.socket() as s:
         s.bind(("", port))
     assert len({free_port() for _ in range(10)}) > 1
