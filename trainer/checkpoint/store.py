@@ -360,9 +360,8 @@ class PendingResume:
         self._check: Optional[ThreadPoolExecutor] = None
         self._future = None
         for step, name, d in _candidates(ckpt_root):
-            if step == float("inf") or (skip and name in skip):  # rejected without reading
-                known = (skip or {}).get(name)
-                self.choice.rejected[name] = known or f"{d}: missing or unreadable {MANIFEST}"
+            if step == float("inf") or (skip and name in skip):  # rejected without reading its files
+                self.choice.rejected[name] = (skip or {}).get(name) or verify(d)[1]  # no manifest: verify says so
                 self.choice.fell_back = True
                 continue
             self.choice.path, self.choice.step = d, int(step)
