@@ -43,7 +43,7 @@ def test_slurm_trains_to_completion_and_survives_killed_node_processes(slurm_clu
     """cluster.nodes=2 cluster.buffers=2; every trainer process of the second node is SIGKILLed after a checkpoint."""
     proc, rd = start(tmp_path, "kill", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=2",
                      "health.preflight=false",
-                     "train.steps=9", *FAST)
+                     "train.steps=9", "train.step_sleep_s=0.5", *FAST)  # slow steps: the kill lands mid-run
     wait_for(lambda: metrics_step(rd) >= 4, 240, "step 4")
     launch = [r for r in _journal(rd) if r["kind"] == "launch"][-1]  # the latest (an allocation may be resubmitted)
     victim, spare = launch["details"]["action"]["nodes"][1], launch["details"]["action"]["buffers"][0]
@@ -61,7 +61,8 @@ def test_slurm_trains_to_completion_and_survives_killed_node_processes(slurm_clu
 def test_slurm_hard_node_failure_swaps_buffer_without_waiting_for_slurm(slurm_cluster, tmp_path):
     """node5 (slurmd, stepds and tasks) is hard-failed; detection must beat Slurm's ~25-30 s node timeout."""
     proc, rd = start(tmp_path, "hard", "cluster=slurm", "cluster.nodes=2", "cluster.buffers=1",
-                     "cluster.exclude=[node1,node2,node3]", "health.preflight=false", "train.steps=9", *FAST)
+                     "cluster.exclude=[node1,node2,node3]", "health.preflight=false", "train.steps=9",
+                     "train.step_sleep_s=0.5", *FAST)  # slow steps: the kill lands mid-run
     try:
         alloc = wait_for(lambda: [r for r in _journal(rd) if r["kind"] == "launch"], 120, "the first launch")[0]
         assert alloc["details"]["action"]["nodes"] == ["node4", "node5"], alloc
