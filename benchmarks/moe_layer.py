@@ -39,19 +39,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def route(x_TD, router_ED, K):
-    """OLMoE router (norm_topk_prob=False), as HF's OlmoeTopKRouter computes it."""
-    logits = F.linear(x_TD, router_ED)
+def route(x_TD, router_ED, K, bias_E=None):
+    """OLMoE router (norm_topk_prob=False), as HF's OlmoeTopKRouter computes it. bias_E (a fixed logit offset per
+    expert) skews the load toward chosen experts."""
+    logits = F.linear(x_TD, router_ED, bias_E)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     w_TK, idx_TK = torch.topk(probs, K, dim=-1)
     return w_TK.to(logits.dtype), idx_TK
 
 
-def make_layer(experts_fn, params, K, uniform=False, **kw):
+def make_layer(experts_fn, params, K, uniform=False, bias_E=None, **kw):
     router_ED, wg, wu, wd = params
 
     def layer(x_TD):
-        w_TK, idx_TK = route(x_TD, router_ED, K)
+        w_TK, idx_TK = route(x_TD, router_ED, K, bias_E)
         if uniform:  # forced perfectly balanced routing: token t uses experts (t*K + k) mod E
             T, E = x_TD.shape[0], wg.shape[0]
             idx_TK = (torch.arange(T, device=x_TD.device)[:, None] * K + torch.arange(K, device=x_TD.device)) % E
@@ -72,6 +73,13 @@ def naive_experts(x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=
     u = torch._grouped_mm(xs, w_up_EFD.transpose(1, 2), offs=ends)
     y = torch._grouped_mm(F.silu(g) * u, w_down_EDF.transpose(1, 2), offs=ends)
     return torch.zeros_like(x_TD).index_add(0, tok, y * w_TK.reshape(-1)[order, None])
+
+
+def dense_bf16_tflops(device, n: int = 8192) -> float:
+    """An n^3 bf16 matmul: the dense rate the expert GEMMs are held against."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = bench(lambda: a @ a, device)
+    return 2 * n**3 / ms / 1e9
 
 
 def sync_free_check(params, x_TD, K, log, precision="bf16"):
@@ -319,10 +327,8 @@ def main() -> None:
         results["checks"]["no_host_sync"] = sync_free_check(params, x_TD, K, log)
         results["checks"]["no_host_sync_fp8"] = sync_free_check(params, x_TD, K, log, precision="fp8")
         results["fp8_checks"] = moe_layer_fp8.checks(device, log)
-        a = torch.randn(8192, 8192, device=device, dtype=dtype)
-        ms = bench(lambda: a @ a, device)
-        dense_tflops = 2 * 8192**3 / ms / 1e9
-        del a
+        dense_tflops = dense_bf16_tflops(device)
+        ms = 2 * 8192**3 / dense_tflops / 1e9
         log(f"dense bf16 GEMM 8192^3: {ms:.3f} ms = {dense_tflops:.0f} TFLOP/s; floor for this layer "
             f"{flops / dense_tflops / 1e9:.2f} ms")
         try:

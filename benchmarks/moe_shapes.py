@@ -1,0 +1,231 @@
+"""MoE expert layer across common shapes: fast_experts (bf16, FP8) against the naive pipeline, one table.
+
+Run on one GPU:  PYTHONUNBUFFERED=1 python benchmarks/moe_shapes.py --out $OUT
+Smoke run on CPU (fp32, tiny, no FP8; checks the script itself):
+    TRITON_INTERPRET=1 python benchmarks/moe_shapes.py --smoke --out /tmp/moe_shapes_smoke
+Each shape is one MoE layer as benchmarks/moe_layer.py builds it (router linear + softmax + top-k + experts; tokens
+N(0,1), router and expert weights N(0,0.02)), with three expert implementations on the same tokens and router: ours
+bf16, ours FP8 (sm90 only) and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
+Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
+then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
+FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd), whatever the routing's balance.
+MFU is given against the spec peak of the row's precision and beside the dense rate measured in this run (bf16: an
+8192^3 matmul; FP8: an 8192^3 row-scaled torch._scaled_mm). Speed-ups are over the bf16 naive row of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+from moe_layer import SPEC_TFLOPS, Dims, bench, dense_bf16_tflops, make_layer, naive_experts, rel, route
+from moe_layer_fp8 import dense_fp8_tflops
+
+OURS_BF16, OURS_FP8, NAIVE = "ours bf16", "ours FP8", "naive bf16"
+TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1}
+
+
+@dataclass
+class Shape:
+    name: str
+    dims: Dims
+    hot: int = 0  # experts given a fixed router-logit bias of hot_bias: the skewed-routing case
+    hot_bias: float = 0.0
+
+
+def shapes(smoke: bool) -> list[Shape]:
+    olmoe = Dims(T=16384, D=2048, F=1024, E=64, K=8)
+    full = [
+        Shape("OLMoE-1B-7B (anchor)", olmoe),
+        Shape("coarse: 8 large experts, top-2 (Mixtral-8x7B-like)", Dims(T=8192, D=4096, F=14336, E=8, K=2)),
+        Shape("fine: 128 experts, top-8 (Qwen3-30B-A3B-like)", Dims(T=16384, D=2048, F=768, E=128, K=8)),
+        Shape("very fine: 256 small experts, top-8", Dims(T=16384, D=2048, F=512, E=256, K=8)),
+        Shape("skewed: 4 hot experts (OLMoE dims)", olmoe, hot=4, hot_bias=3.0),
+        Shape("few tokens: T 4096 (OLMoE dims)", Dims(T=4096, D=2048, F=1024, E=64, K=8)),
+        Shape("few tokens: T 1024 (OLMoE dims)", Dims(T=1024, D=2048, F=1024, E=64, K=8)),
+    ]
+    if not smoke:
+        return full
+    tiny = [Dims(T=64, D=32, F=16, E=8, K=2), Dims(T=32, D=32, F=64, E=4, K=2), Dims(T=64, D=32, F=8, E=16, K=4),
+            Dims(T=64, D=32, F=8, E=32, K=4), Dims(T=64, D=32, F=16, E=8, K=2), Dims(T=32, D=32, F=16, E=8, K=2),
+            Dims(T=16, D=32, F=16, E=8, K=2)]
+    return [Shape(s.name, d, s.hot, s.hot_bias) for s, d in zip(full, tiny)]
+
+
+def expert_flops(d: Dims) -> int:
+    return 3 * 2 * d.D * d.F * d.T * d.K * 3
+
+
+def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
+    """How unevenly the router spreads the T*K pairs: max/mean expert load, share of the hot experts, idle experts."""
+    with torch.no_grad():
+        _, idx_TK = route(x_TD, router_ED, d.K, bias_E)
+        counts_E = torch.bincount(idx_TK.reshape(-1), minlength=d.E).float()
+    return {"max_over_mean": (counts_E.max() / counts_E.mean()).item(),
+            "hot_share": (counts_E[:hot].sum() / counts_E.sum()).item() if hot else None,
+            "idle_experts": int((counts_E == 0).sum())}
+
+
+def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log) -> dict:
+    from moe_launch.kernels.moe import fast_experts
+
+    d = shape.dims
+    torch.manual_seed(0)
+    x_TD = torch.randn(d.T, d.D, device=device, dtype=dtype)
+    dy_TD = torch.randn_like(x_TD)
+    params = [(torch.randn(*s, device=device) * 0.02).to(dtype).requires_grad_()
+              for s in ((d.E, d.D), (d.E, d.F, d.D), (d.E, d.F, d.D), (d.E, d.D, d.F))]
+    bias_E = None
+    if shape.hot:
+        bias_E = torch.zeros(d.E, device=device, dtype=dtype)
+        bias_E[:shape.hot] = shape.hot_bias
+    res = {"dims": asdict(d), "flops": expert_flops(d), "load": load_stats(x_TD, params[0], bias_E, d, shape.hot),
+           "rows": {}}
+    log(f"{shape.name}: {asdict(d)} load {res['load']}")
+    layers = {OURS_BF16: make_layer(fast_experts, params, d.K, bias_E=bias_E)}
+    if fp8:
+        layers[OURS_FP8] = make_layer(fast_experts, params, d.K, bias_E=bias_E, precision="fp8")
+    layers[NAIVE] = make_layer(naive_experts, params, d.K, bias_E=bias_E)
+
+    def fwd_bwd(layer):
+        xx = x_TD.detach().requires_grad_()
+        y = layer(xx)
+        return [y.detach(), *torch.autograd.grad(y, [xx, *params], dy_TD)]
+
+    # correctness first: every row vs the naive one on the same tokens and router
+    base = fwd_bwd(layers[NAIVE])
+    for name, layer in layers.items():
+        row = res["rows"][name] = {}
+        if name == NAIVE:
+            continue
+        try:
+            outs = fwd_bwd(layer)
+            row["err_y"] = rel(outs[0], base[0])
+            row["err_grads"] = max(rel(a, b) for a, b in zip(outs[1:], base[1:]))
+            del outs
+            tol = 1e-5 if dtype == torch.float32 else TOL[name]
+            row["ok"] = max(row["err_y"], row["err_grads"]) <= tol
+            log(f"  check {name}: y {row['err_y']:.1e}, grads {row['err_grads']:.1e} "
+                + ("OK" if row["ok"] else f"ABOVE TOLERANCE {tol:.0e}"))
+        except Exception as e:  # noqa: BLE001  (report the row and continue: the table must print)
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            log(f"  check {name} failed: {e!r}\n{traceback.format_exc()}"[:1500])
+    del base
+
+    for name, layer in layers.items():
+        row = res["rows"][name]
+        if "error" in row:
+            continue
+
+        def step(layer=layer):
+            for p in params:
+                p.grad = None
+            layer(x_TD.detach().requires_grad_()).backward(dy_TD)
+
+        try:
+            row["ms"] = bench(step, device, rep_ms=rep_ms)
+            row["tflops"] = res["flops"] / row["ms"] / 1e9
+            log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            log(f"  timing {name} failed: {e!r}"[:1500])
+    for p in params:
+        p.grad = None
+    return res
+
+
+def table(results: dict, dense: dict) -> list[str]:
+    lines = [f"dense rates measured in this run: bf16 {dense['bf16']:.0f}, FP8 {dense['fp8']:.0f} TFLOP/s; spec "
+             f"(H200 SXM): bf16 {SPEC_TFLOPS['bf16']:.0f}, FP8 {SPEC_TFLOPS['fp8']:.0f}",
+             "| shape | T, D, F, E, top-k | load max/mean | impl | fwd+bwd ms (median) | expert TFLOP/s | MFU vs spec "
+             "| % of measured dense | speed-up vs naive bf16 | max rel err vs naive (y / grads) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, res in results.items():
+        if "error" in res:
+            lines.append(f"| {name} | | | | ERROR {res['error']} | | | | | |")
+            continue
+        d, load = res["dims"], res["load"]
+        dims = f"{d['T']}, {d['D']}, {d['F']}, {d['E']}, {d['K']}"
+        skew = f"{load['max_over_mean']:.1f}" + (f" (hot {100 * load['hot_share']:.0f}%)" if load["hot_share"] else "")
+        naive_ms = res["rows"][NAIVE].get("ms")
+        for impl, row in res["rows"].items():
+            head = f"| {name} | {dims} | {skew} | {impl} |"
+            if "error" in row:
+                lines.append(f"{head} ERROR {row['error']} | | | | | |")
+                continue
+            prec = "fp8" if impl == OURS_FP8 else "bf16"
+            spec = SPEC_TFLOPS[prec]
+            row["mfu_spec"], row["of_measured_dense"] = row["tflops"] / spec, row["tflops"] / dense[prec]
+            row["speedup"] = naive_ms / row["ms"] if naive_ms else float("nan")
+            err = "baseline" if impl == NAIVE else (f"{row['err_y']:.1e} / {row['err_grads']:.1e}"
+                                                    + ("" if row["ok"] else " ABOVE TOL"))
+            lines.append(f"{head} {row['ms']:.3f} | {row['tflops']:.0f} | {100 * row['mfu_spec']:.0f}% of {spec:.0f} "
+                         f"| {100 * row['of_measured_dense']:.0f}% of {dense[prec]:.0f} | {row['speedup']:.2f}x "
+                         f"| {err} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
+    ap.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per row")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "moe_shapes.log"), "w")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    import triton
+
+    from moe_launch.kernels.fp8 import fp8_gemm_supported
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    fp8 = fp8_gemm_supported(device)
+    env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "triton": triton.__version__, "python": platform.python_version(),
+           "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "fp8_rows": fp8}
+    log(json.dumps(env))
+    dense = {"bf16": float("nan"), "fp8": float("nan")}
+    if device.type == "cuda":
+        dense["bf16"] = dense_bf16_tflops(device)
+        if fp8:
+            try:
+                dense["fp8"] = dense_fp8_tflops(device)
+            except Exception as e:  # noqa: BLE001
+                log(f"dense FP8 GEMM failed: {e!r}"[:400])
+        torch.cuda.empty_cache()
+    log(f"dense bf16 8192^3: {dense['bf16']:.0f} TFLOP/s, dense FP8 8192^3: {dense['fp8']:.0f} TFLOP/s")
+
+    results = {}
+    for shape in shapes(args.smoke):
+        t0 = time.perf_counter()
+        try:
+            results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log)
+        except Exception as e:  # noqa: BLE001  (an OOM or a crash is one row of the table, not the end of the run)
+            results[shape.name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            log(f"{shape.name} failed: {e!r}\n{traceback.format_exc()}"[:2000])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"  ({time.perf_counter() - t0:.1f} s)")
+
+    log("")
+    for line in table(results, dense):
+        log(line)
+    with open(os.path.join(args.out, "moe_shapes.json"), "w") as f:
+        json.dump({"env": env, "spec_tflops": SPEC_TFLOPS, "dense_tflops": dense, "shapes": results}, f, indent=1,
+                  default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Smoke run of benchmarks/moe_shapes.py (the expert layer at common shapes vs the naive pipeline): tiny fp32 shapes on
+CPU, Triton under the interpreter, no FP8; every shape checks ours against the naive pipeline and is timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_moe_shapes_smoke(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "benchmarks/moe_shapes.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    shapes = json.loads((tmp_path / "moe_shapes.json").read_text())["shapes"]
+    assert len(shapes) == 7
+    for name, res in shapes.items():
+        assert set(res["rows"]) == {"ours bf16", "naive bf16"}, name
+        assert res["rows"]["ours bf16"]["ok"], (name, res["rows"]["ours bf16"])
+        assert all(row["ms"] > 0 for row in res["rows"].values()), name
+    skewed = next(res for name, res in shapes.items() if name.startswith("skewed"))
+    assert skewed["load"]["hot_share"] > 0.5
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| few tokens: T 1024")  # the table prints last
