@@ -2,6 +2,7 @@
 
 On one GPU:   PYTHONUNBUFFERED=1 python benchmarks/loss_curve.py --out $OUT          (~1 min per run on an H200)
 CPU smoke:    python benchmarks/loss_curve.py --smoke --out /tmp/lc                  (tiny model, 5 steps)
+FP8 vs bf16:  python benchmarks/loss_curve.py --compare precision --out $OUT      (3 runs of 500 steps)
 Data only:    python benchmarks/loss_curve.py --prepare-only --data-cache DIR        (tokenize the corpus, no training)
 
 Runs the real Trainer (moe_launch.trainer.loop.Trainer) three times on the same data order and the same init
@@ -19,6 +20,10 @@ Model: a small OLMoE-like MoE (d 512, 4 layers, 8 heads, 64 experts, top-8, expe
 vocab 4096 = 2,271 sequences, tokenized into --data-cache before the first run; 200 steps read 1.4 epochs of it, in
 the same order for all three runs). 109M parameters, ~19M active per token. Output: loss_curve.json in --out (the
 three curves, per-run wall time and median tokens/s, the summary), written after every run, and a printed summary.
+
+`--compare precision` runs bf16, bf16 from another init seed and FP8 experts instead (all impl=fast, same data order,
+500 steps by default = 3.5 epochs of the corpus, each epoch in its own order); benchmarks/loss_curve_precision.py
+says how the noise yardstick is built and what the verdict's rule is.
 """
 
 from __future__ import annotations
@@ -55,12 +60,14 @@ RUNS = (  # name, model.moe.impl, train.dtype (smoke mode: fp32 for all)
 NOISE_FACTOR, NOISE_FLOOR = 2.0, 0.01  # the verdict's threshold: 2 * bf16 noise + 0.01 nats
 
 
-def model_config(smoke: bool, impl: str) -> ModelConfig:
+def model_config(smoke: bool, impl: str, precision: str = "bf16") -> ModelConfig:
     if smoke:
         return ModelConfig(name="loss_curve_smoke", kind="moe", vocab_size=512, d_model=32, n_layers=2, n_heads=4,
-                           max_seq_len=32, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, impl=impl))
+                           max_seq_len=32, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, impl=impl,
+                                                         precision=precision))
     return ModelConfig(name="loss_curve", kind="moe", vocab_size=4096, d_model=512, n_layers=4, n_heads=8,
-                       max_seq_len=1024, moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=256, impl=impl))
+                       max_seq_len=1024, moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=256, impl=impl,
+                                                       precision=precision))
 
 
 def train_config(smoke: bool, steps: int, dtype: str, compile_: bool) -> TrainConfig:
@@ -72,21 +79,29 @@ def train_config(smoke: bool, steps: int, dtype: str, compile_: bool) -> TrainCo
                        progress=False, seed=1234, compile=compile_)
 
 
-def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, data_cache: str) -> RootConfig:
+def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, data_cache: str,
+                precision: str = "bf16") -> RootConfig:
     # workers: tokenization processes of the one-time data build
-    return RootConfig(model=model_config(smoke, impl), parallel=ParallelConfig(dp=1),
+    return RootConfig(model=model_config(smoke, impl, precision), parallel=ParallelConfig(dp=1),
                       train=train_config(smoke, steps, dtype, compile_),
                       data=DataConfig(cache_dir=data_cache, workers=1 if smoke else 4),
                       cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1))
 
 
-def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device) -> tuple[list[float], dict]:
+def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device,
+                init_seed: Optional[int] = None) -> tuple[list[float], dict]:
     """One Trainer run from scratch in `run_dir`: the per-step lm loss, and the run's wall seconds and median
-    tokens/s (steps past the first 5: compilation and warm-up excluded)."""
+    tokens/s (steps past the first 5: compilation and warm-up excluded). `init_seed` other than train.seed: the
+    initial weights are those the Trainer would build under that seed, the data order still follows train.seed."""
     from moe_launch.trainer.loop import Trainer  # imported here: --prepare-only and --help need no trainer import
+    from moe_launch.trainer.standby import warm_model
 
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, RunDir(run_dir), device=device)
+    model = None
+    if init_seed is not None and init_seed != cfg.train.seed:
+        model = warm_model(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=init_seed)), device)
+    trainer = Trainer(cfg, RunDir(run_dir), device=device, model=model)
+    del model
     if device.type == "cuda" and cfg.train.dtype == "fp32":
         # the Trainer turns TF32 matmuls on for non-deterministic runs; the yardstick must be true fp32 (TF32 rounds
         # the matmul inputs to 10-bit mantissas, which would inflate the "noise" the verdict is measured against)
@@ -146,15 +161,25 @@ def prepare_data(data_cache: str, smoke: bool) -> Path:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 200; smoke 5)")
-    ap.add_argument("--out", default="runs/loss_curve", help="directory for loss_curve.json and the run dirs")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="optimizer steps per run (default 200, --compare precision 500; smoke 5, precision 8)")
+    ap.add_argument("--out", default="runs/loss_curve", help="directory for the JSON and the run dirs")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run in fp32 that checks the script")
+    ap.add_argument("--compare", choices=("impl", "precision"), default="impl",
+                    help="impl: fast vs reference vs fp32 (loss_curve.json); precision: bf16 vs bf16 from another "
+                         "init seed vs FP8 experts (loss_curve_precision.json)")
     ap.add_argument("--window", type=int, default=100, help="compare the mean |diff| over the last N steps")
-    ap.add_argument("--compile", action="store_true", help="the fast run also sets train.compile=true")
+    ap.add_argument("--smooth", type=int, default=20, help="--compare precision: trailing mean of N steps for the "
+                                                           "smoothed figures")
+    ap.add_argument("--compile", action="store_true",
+                    help="train.compile=true for the fast run (--compare precision: for all three runs)")
     ap.add_argument("--data-cache", default="~/.cache/moe-launch/data", help="data.cache_dir (built-in corpus)")
     ap.add_argument("--prepare-only", action="store_true", help="tokenize the built-in corpus and exit")
     args = ap.parse_args(argv)
-    steps = args.steps or (5 if args.smoke else 200)
+    import loss_curve_precision as precision_mode  # beside this script (its folder is on sys.path)
+
+    by_precision = args.compare == "precision"
+    steps = args.steps or ((8 if by_precision else 5) if args.smoke else (500 if by_precision else 200))
     if args.prepare_only:
         print(f"dataset: {prepare_data(args.data_cache, args.smoke)}", flush=True)
         return 0
@@ -169,8 +194,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
 
     t0 = time.perf_counter()
-    print(f"[loss_curve] dataset {prepare_data(args.data_cache, args.smoke)} ({time.perf_counter() - t0:.1f} s)",
-          flush=True)
+    dataset = prepare_data(args.data_cache, args.smoke)
+    print(f"[loss_curve] dataset {dataset} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if by_precision:
+        runs = precision_mode.plan(args.smoke, lambda precision: root_config(
+            args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision))
+    else:
+        runs = [precision_mode.PrecisionRun(name, root_config(
+            args.smoke, steps, impl, "fp32" if args.smoke else dtype, args.compile and name == "fast",
+            args.data_cache), None, "") for name, impl, dtype in RUNS]
     curves: dict[str, list[float]] = {}
     stats: dict[str, dict] = {}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
@@ -179,14 +211,19 @@ def main(argv: Optional[list[str]] = None) -> int:
             "model": dataclasses.asdict(model_config(args.smoke, "fast")), "train": dataclasses.asdict(
                 train_config(args.smoke, steps, "bf16", args.compile)),
             "runs": stats}
+    if by_precision:
+        meta.update(compare="precision", epochs=_epochs(dataset, steps * runs[0].cfg.train.global_batch_size),
+                    data_seed=runs[0].cfg.train.seed, rule=precision_mode.RULE,
+                    plan={r.name: {"precision": r.label, "init_seed": r.init_seed, "impl": r.cfg.model.moe.impl,
+                                   "dtype": r.cfg.train.dtype} for r in runs})
+    json_name = "loss_curve_precision.json" if by_precision else "loss_curve.json"
     summary: dict = {}
-    for name, impl, dtype in RUNS:
-        cfg = root_config(args.smoke, steps, impl, "fp32" if args.smoke else dtype,
-                          args.compile and name == "fast", args.data_cache)
+    for name, cfg, init_seed, label in runs:
         try:
-            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device)
-            print(f"[loss_curve] {name:9s} impl={impl:9s} dtype={cfg.train.dtype:4s} "
-                  f"compile={cfg.train.compile!s:5s} {stats[name]['seconds']:7.1f} s  "
+            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed)
+            extra = f" precision={label} init_seed={init_seed}" if by_precision else ""
+            print(f"[loss_curve] {name:9s} impl={cfg.model.moe.impl:9s} dtype={cfg.train.dtype:4s} "
+                  f"compile={cfg.train.compile!s:5s}{extra} {stats[name]['seconds']:7.1f} s  "
                   f"{stats[name]['median_tokens_per_s'] or 0:9.0f} tok/s  "
                   f"loss {curves[name][0]:.4f} -> {curves[name][-1]:.4f}", flush=True)
         except Exception as e:  # one failing run must not cost the others' curves
@@ -195,21 +232,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if len(curves) == len(RUNS):
-            summary = summarize(curves, args.window, verdict=not args.smoke)
-        _write(out, meta, summary, curves)  # after every run: a timeout keeps what was measured
+        if len(curves) == len(runs):
+            if by_precision:
+                rates = {n: stats[n]["median_tokens_per_s"] for n in curves}
+                summary = precision_mode.summarize(curves, rates, args.window, args.smooth, verdict=not args.smoke)
+            else:
+                summary = summarize(curves, args.window, verdict=not args.smoke)
+        _write(out / json_name, meta, summary, curves)  # after every run: a timeout keeps what was measured
     if not summary:
         print("[loss_curve] not all three runs finished: no summary (see the errors above)", flush=True)
         return 1
     print(json.dumps(summary, indent=2), flush=True)
-    print(summary["verdict"], flush=True)
+    print(precision_mode.table(summary) if by_precision else summary["verdict"], flush=True)
     return 0
 
 
-def _write(out: Path, meta: dict, summary: dict, curves: dict[str, list[float]]) -> None:
-    tmp = out / "loss_curve.json.tmp"
+def _epochs(dataset: Path, sequences: int) -> Optional[float]:
+    """How many passes over the prepared dataset `sequences` training sequences make (None: no index to read)."""
+    try:
+        return round(sequences / json.loads((dataset / "index.json").read_text())["total_instances"], 2)
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _write(path: Path, meta: dict, summary: dict, curves: dict[str, list[float]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"meta": meta, "summary": summary, "curves": curves}, indent=2, default=str))
-    os.replace(tmp, out / "loss_curve.json")
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

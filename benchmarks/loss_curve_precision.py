@@ -1,0 +1,142 @@
+"""The precision comparison of benchmarks/loss_curve.py (`--compare precision`): does the FP8 expert path
+(model.moe.precision=fp8) learn like bf16, within the bf16 run's run-to-run noise?
+
+Three runs of the real Trainer, model.moe.impl=fast and train.dtype=bf16 for all, 500 steps by default:
+  bf16     precision=bf16, init seed A
+  bf16_b   precision=bf16, init seed B: the run-to-run noise yardstick
+  fp8      precision=fp8,  init seed A
+all on the same data order. 500 steps of global batch 16 read 3.5 epochs of the built-in corpus (2,271 sequences),
+each epoch in its own order: from the second epoch on the sequences repeat, so the tail of the curve partly measures
+memorisation, alike for all three runs.
+
+Why a separate init seed: train.seed (A = 1234 here) seeds both the initial weights (torch.manual_seed before the
+model is built, trainer/loop.py) and the data order (TokenLoader's per-epoch permutation key, trainer/data/loader.py);
+data.seed only shuffles the built-in corpus at tokenization time, so changing it changes the dataset itself. Neither
+setting varies the init alone. Nothing in training draws from torch's global generator after the build (no dropout,
+no router noise), so the init is the only random input besides the data. The bf16_b run therefore keeps train.seed=A
+(identical batches, step for step) and is handed the model the Trainer would build under seed B
+(trainer/standby.py warm_model: same build, cast and compile path, one forward/backward on made-up tokens, no weight
+change). Two bf16 runs that differ only in their init are the yardstick: their per-step gap is what an honest rerun
+of the bf16 recipe with a new seed moves the curve by, with the data held fixed.
+
+Verdict rule, over the last --window steps: "fp8 within bf16 run-to-run noise: yes" when
+mean |fp8 - bf16| <= mean |bf16_b - bf16| (factor 1, no floor: the yardstick is already the full seed spread).
+The fp8 run shares bf16's init, so its gap starts at 0 while the seed gap starts at the init spread; the window is the
+tail of the run, hundreds of steps later, but as far as the two same-init trajectories stay correlated there, the
+rule leans in fp8's favour. A systematic FP8 penalty still shows in the signed means (fp8 - bf16 and
+bf16_b - bf16: positive = higher loss than bf16), which the table prints beside the rule; the smoothed
+figures (trailing mean over --smooth steps of each curve first) take out the per-batch jitter of the differences.
+
+Smoke mode (CPU, fp32): FP8 needs an sm90 GPU, so the fp8 slot runs precision=bf16 as a plumbing check of the
+script (its gap to bf16 is 0), labelled as such; no verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple
+
+from moe_launch.conf.schema import RootConfig
+
+INIT_SEED_A, INIT_SEED_B = 1234, 1235  # A is train.seed of every run (the data order); B only inits bf16_b
+RULE = "mean |fp8 - bf16| <= mean |bf16_b - bf16| over the last window steps"
+
+
+class PrecisionRun(NamedTuple):
+    name: str
+    cfg: RootConfig
+    init_seed: int  # the seed the initial weights come from; the data order always follows cfg.train.seed
+    label: str  # precision as run, for the printed lines and the JSON
+
+
+def plan(smoke: bool, make_cfg: Callable[[str], RootConfig]) -> list[PrecisionRun]:
+    """The three runs. `make_cfg(precision)` gives loss_curve's RootConfig (impl fast) for that MoE precision;
+    train.seed is set to A in all three."""
+    fp8 = "bf16" if smoke else "fp8"  # CPU: FP8 cannot run; the slot checks the script's plumbing only
+    runs = []
+    for name, precision, init_seed in (("bf16", "bf16", INIT_SEED_A), ("bf16_b", "bf16", INIT_SEED_B),
+                                       ("fp8", fp8, INIT_SEED_A)):
+        cfg = make_cfg(precision)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=INIT_SEED_A))
+        label = "bf16 (stand-in for fp8: CPU smoke)" if name == "fp8" and smoke else precision
+        runs.append(PrecisionRun(name, cfg, init_seed, label))
+    return runs
+
+
+def _smoothed(curve: list[float], k: int) -> list[float]:
+    """Trailing mean over the last k steps (fewer at the start)."""
+    out, total = [], 0.0
+    for i, x in enumerate(curve):
+        total += x
+        if i >= k:
+            total -= curve[i - k]
+        out.append(total / min(i + 1, k))
+    return out
+
+
+def _diff_stats(a: list[float], b: list[float], lo: int, hi: int) -> dict:
+    d = [x - y for x, y in zip(a[lo:hi], b[lo:hi])]
+    n = max(1, len(d))
+    return {"mean_abs": sum(abs(x) for x in d) / n, "max_abs": max((abs(x) for x in d), default=0.0),
+            "signed_mean": sum(d) / n}
+
+
+def summarize(curves: dict[str, list[float]], rates: dict[str, float | None], window: int, smooth: int,
+              verdict: bool) -> dict:
+    """Pure: fp8 against bf16 (the gap) and bf16_b against bf16 (the noise) over the last `window` steps, raw and
+    after a trailing mean of `smooth` steps; `rates` are the runs' median tokens/s."""
+    bf16, bf16_b, fp8 = curves["bf16"], curves["bf16_b"], curves["fp8"]
+    n = min(len(bf16), len(bf16_b), len(fp8))
+    w = min(window, n)
+    gap, noise = _diff_stats(fp8, bf16, n - w, n), _diff_stats(bf16_b, bf16, n - w, n)
+    sm = {name: _smoothed(c[:n], smooth) for name, c in curves.items()}
+    sm_gap = _diff_stats(sm["fp8"], sm["bf16"], n - w, n)
+    sm_noise = _diff_stats(sm["bf16_b"], sm["bf16"], n - w, n)
+    out = {
+        "steps": n, "window": w, "smooth": smooth, "rule": RULE,
+        "gap_mean_abs_fp8_vs_bf16": gap["mean_abs"],
+        "noise_mean_abs_bf16_b_vs_bf16": noise["mean_abs"],
+        "gap_max_abs_fp8_vs_bf16": gap["max_abs"],
+        "noise_max_abs_bf16_b_vs_bf16": noise["max_abs"],
+        "gap_signed_mean_fp8_minus_bf16": gap["signed_mean"],
+        "noise_signed_mean_bf16_b_minus_bf16": noise["signed_mean"],
+        "gap_over_noise": gap["mean_abs"] / noise["mean_abs"] if noise["mean_abs"] > 0 else None,
+        "smoothed_gap_mean_abs": sm_gap["mean_abs"],
+        "smoothed_noise_mean_abs": sm_noise["mean_abs"],
+        "smoothed_gap_signed_mean": sm_gap["signed_mean"],
+        "smoothed_noise_signed_mean": sm_noise["signed_mean"],
+        "max_abs_all_steps": {"fp8_vs_bf16": _diff_stats(fp8, bf16, 0, n)["max_abs"],
+                              "bf16_b_vs_bf16": _diff_stats(bf16_b, bf16, 0, n)["max_abs"]},
+        "final": {name: c[n - 1] for name, c in curves.items()},
+        "first": {name: c[0] for name, c in curves.items()},
+        "median_tokens_per_s": dict(rates),
+        "fp8_speed_vs_bf16": (rates["fp8"] / rates["bf16"]) if rates.get("fp8") and rates.get("bf16") else None,
+    }
+    if verdict:
+        out["within_bf16_noise"] = gap["mean_abs"] <= noise["mean_abs"]
+        out["verdict"] = f"fp8 within bf16 run-to-run noise: {'yes' if out['within_bf16_noise'] else 'no'}"
+    else:
+        out["verdict"] = "smoke run (CPU, fp32; the fp8 slot ran precision=bf16 as a plumbing check): no verdict"
+    return out
+
+
+def table(s: dict) -> str:
+    """The summary as printed last: one row per pair, one per run, then the verdict."""
+    rows = [f"last {s['window']} of {s['steps']} steps (smoothed: trailing mean of {s['smooth']})",
+            f"{'pair':22s} {'mean|d|':>9s} {'max|d|':>9s} {'mean d':>9s} {'smooth mean|d|':>15s}",
+            f"{'gap   fp8 - bf16':22s} {s['gap_mean_abs_fp8_vs_bf16']:9.4f} {s['gap_max_abs_fp8_vs_bf16']:9.4f} "
+            f"{s['gap_signed_mean_fp8_minus_bf16']:+9.4f} {s['smoothed_gap_mean_abs']:15.4f}",
+            f"{'noise bf16_b - bf16':22s} {s['noise_mean_abs_bf16_b_vs_bf16']:9.4f} "
+            f"{s['noise_max_abs_bf16_b_vs_bf16']:9.4f} {s['noise_signed_mean_bf16_b_minus_bf16']:+9.4f} "
+            f"{s['smoothed_noise_mean_abs']:15.4f}",
+            f"{'run':8s} {'first':>8s} {'final':>8s} {'tokens/s':>10s}"]
+    for name in ("bf16", "bf16_b", "fp8"):
+        rate = s["median_tokens_per_s"].get(name)
+        rows.append(f"{name:8s} {s['first'][name]:8.4f} {s['final'][name]:8.4f} "
+                    f"{rate if rate is not None else float('nan'):10.0f}")
+    ratio, speed = s["gap_over_noise"], s["fp8_speed_vs_bf16"]
+    rows.append(f"gap / noise {ratio:.2f}" if ratio is not None else "gap / noise: n/a (noise 0)")
+    rows.append(f"fp8 tokens/s vs bf16 {speed:.2f}x" if speed is not None else "fp8 tokens/s vs bf16: n/a")
+    rows.append(f"rule: {s['rule']}")
+    rows.append(s["verdict"])
+    return "\n".join(rows)
