@@ -53,22 +53,25 @@ def write_random_shards(out: Path, n_rows: int, seq_len: int, vocab: int, seed: 
     return out
 
 
-def run_case(name: str, model, micro: int, accum: int, seq: int, steps: int, compile_: bool, work: Path) -> dict:
+def run_case(name: str, model, micro: int, accum: int, seq: int, steps: int, compile_: bool, work: Path,
+             recompute: tuple[str, ...] = (), env_extra: dict | None = None) -> dict:
     data = write_random_shards(work / f"data-{name}", micro * accum * (steps + 1), seq, model.vocab_size)
     train = TrainConfig(steps=steps, global_batch_size=micro * accum, micro_batch_size=micro, seq_len=seq, lr=1e-4,
                         min_lr=1e-5, warmup_steps=2, ckpt_interval=0, log_interval=1, compile=compile_,
-                        progress=False)
+                        progress=False, recompute=list(recompute))
     cfg = RootConfig(model=model, train=train, data=DataConfig(path=str(data)), cluster=ClusterConfig(kind="local"))
     rd = RunDir(work / f"run-{name}").make()
     dump_config(cfg, rd.config)
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533",
+               **(env_extra or {}))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "moe_launch.trainer", "--run-dir", str(rd.root)], env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in rd.metrics.read_text().splitlines()] if rd.metrics.exists() else []
     out = {"case": name, "rc": proc.returncode, "wall_s": round(wall, 1), "steps_logged": len(records),
-           "micro_batch": micro, "accum": accum, "seq": seq, "compile": compile_}
+           "micro_batch": micro, "accum": accum, "seq": seq, "compile": compile_, "recompute": list(recompute),
+           "env": env_extra or {}}
     if proc.returncode != 0 or len(records) < 3:
         out["stderr_tail"] = (proc.stdout + proc.stderr)[-3000:]
         return out
@@ -78,6 +81,7 @@ def run_case(name: str, model, micro: int, accum: int, seq: int, steps: int, com
     gaps = [b["time"] - a["time"] for a, b in zip(warm, warm[1:])]
     out["tokens_per_s_wall"] = micro * accum * seq / statistics.median(gaps) if gaps else None
     out["final_loss"] = records[-1]["loss"]
+    out["peak_gib"] = max((r.get("mem_gib") or 0.0) for r in records)
     out["flops_per_token"] = flops_per_token(model, seq)
     return out
 
@@ -93,20 +97,32 @@ def main() -> None:
     if args.smoke:
         tiny = dataclasses.replace(base, n_layers=2, d_model=64, n_heads=4, vocab_size=512, max_seq_len=64,
                                    moe=dataclasses.replace(base.moe, num_experts=8, top_k=2, expert_hidden=32))
-        cases = [("smoke", tiny, 2, 1, 64, False)]
+        cases = [("smoke", tiny, 2, 1, 64, False, ()), ("smoke-recompute", tiny, 2, 1, 64, False, ("moe",)),
+                 ("smoke-xs", tiny, 2, 1, 64, False, ())]
     else:
         fp8 = dataclasses.replace(base, moe=dataclasses.replace(base.moe, precision="fp8"))
-        cases = [("olmoe-4L", dataclasses.replace(base, n_layers=4), 4, 1, 4096, True),
-                 ("olmoe-4L-fp8", dataclasses.replace(fp8, n_layers=4), 4, 1, 4096, True),
-                 ("olmoe-16L", base, 2, 1, 4096, True),
-                 ("olmoe-16L-fp8", fp8, 2, 1, 4096, True)]
+        l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
+        cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
+                 ("olmoe-4L-fp8", l4_fp8, 4, 1, 4096, True, ()),
+                 ("olmoe-16L", base, 2, 1, 4096, True, ()),
+                 ("olmoe-16L-fp8", fp8, 2, 1, 4096, True, ()),
+                 # memory: the MoE layers' saved activations are the largest share at 16 layers
+                 ("olmoe-16L-rc-moe", base, 2, 1, 4096, True, ("moe",)),
+                 ("olmoe-16L-4x-rc-moe", base, 4, 1, 4096, True, ("moe",)),
+                 ("olmoe-16L-4x-rc-full", base, 4, 1, 4096, True, ("full",)),
+                 # the same with the caching allocator's expandable segments (less fragmentation near the limit)
+                 ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
+                 ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
+                 ("olmoe-16L-rc-moe-xs", base, 2, 1, 4096, True, ("moe",))]
     only = set(filter(None, args.only.split(",")))
     rows = []
     with tempfile.TemporaryDirectory(prefix="moe-trainer-bench-") as tmp:
-        for name, model, micro, accum, seq, compile_ in cases:
+        for name, model, micro, accum, seq, compile_, recompute in cases:
             if only and name not in only:
                 continue
-            r = run_case(name, model, micro, accum, seq, 4 if args.smoke else args.steps, compile_, Path(tmp))
+            env_extra = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if name.endswith("-xs") else None
+            r = run_case(name, model, micro, accum, seq, 4 if args.smoke else args.steps, compile_, Path(tmp),
+                         recompute, env_extra)
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
             if "stderr_tail" in r:
@@ -122,14 +138,14 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, "trainer_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\n{meta}\n{'case':14s} {'rc':>3s} {'tok/s':>9s} {'wall tok/s':>10s} {'MFU spec':>8s} "
-          f"{'MFU dense':>9s} {'loss':>7s}")
+    print(f"\n{meta}\n{'case':21s} {'rc':>3s} {'tok/s':>9s} {'wall tok/s':>10s} {'MFU spec':>8s} "
+          f"{'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
     for r in rows:
         if "tokens_per_s" in r:
-            print(f"{r['case']:14s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {r['tokens_per_s_wall'] or 0:10.0f} "
-                  f"{100 * r['mfu_spec']:7.1f}% {100 * r['mfu']:8.1f}% {r['final_loss']:7.3f}")
+            print(f"{r['case']:21s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {r['tokens_per_s_wall'] or 0:10.0f} "
+                  f"{100 * r['mfu_spec']:7.1f}% {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
         else:
-            print(f"{r['case']:14s} {r['rc']:3d} FAILED (see above)")
+            print(f"{r['case']:21s} {r['rc']:3d} FAILED (see above)")
 
 
 if __name__ == "__main__":
