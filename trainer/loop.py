@@ -87,6 +87,7 @@ from moe_launch.trainer.spike import (
     rollback_applies,
 )
 from moe_launch.trainer.start_phases import StartPhases
+from moe_launch.trainer.step_stats import StepStats, start_copy
 from moe_launch.trainer.step_verdict import agree
 from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
 from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
@@ -300,6 +301,10 @@ class Trainer(Restore, Checkpointing):
         spike = self._check_spike(done, float(verdict.mean_P[0]), grad_norm)
         if spike is not None and t.spike.action != "skip":
             return self._spike_exit(spike)
+        logs = done % t.log_interval == 0 or done == t.steps
+        # every rank on log steps (the expert counts are all-reduced); queued ahead of the update, so reading them
+        # back waits for the copy only and the logging overlaps the update (trainer/step_stats.py)
+        pending = start_copy(verdict.mean_P, per_layer, self._global_counts(per_layer)) if logs else None
         self.ckpt.fence()  # the snapshot of the last checkpoint is read from these tensors until here
         if spike is None:  # a skipped spike drops the update; the data position and the schedule move on
             self.optimizer.step(lr)
@@ -311,11 +316,11 @@ class Trainer(Restore, Checkpointing):
         if self._reserve_after_first_step is not None:
             self._reserve_after_first_step()
             self._reserve_after_first_step = None
-        if done % t.log_interval == 0 or done == t.steps:  # every rank: the expert counts are all-reduced
-            counts_LE = self._global_counts(per_layer)
-            self._skew_records(done, counts_LE)
+        if pending is not None:
+            stats = pending.get()
+            self._skew_records(done, stats.counts_LE)
             if sink is not None:
-                sink.log(self._record(done, verdict.mean_P, grad_norm, lr, dt, per_layer, counts_LE))
+                sink.log(self._record(done, stats, grad_norm, lr, dt))
         self._test_sleep()
         stop = verdict.stop and done < t.steps  # a warning during the final step: the normal end takes over
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
@@ -450,24 +455,18 @@ class Trainer(Restore, Checkpointing):
                                   preflight_gemm_rate(self.run_dir, self.hosts))
         return self._perf
 
-    def _record(self, done: int, mean_P: torch.Tensor, grad_norm: float, lr: float, dt: float, per_layer: list,
-                counts_LE: Optional[torch.Tensor]) -> dict:
+    def _record(self, done: int, stats: StepStats, grad_norm: float, lr: float, dt: float) -> dict:
         t = self.cfg.train
-        loss, lm, aux, z = (float(v) for v in mean_P)
-        n_layers = len(per_layer[0].aux_per_layer)
-        load_max, load_mean = load_summary(list(counts_LE) if counts_LE is not None else [])
+        loss, lm, aux, z = stats.mean_P
+        load_max, load_mean = load_summary(list(stats.counts_LE) if stats.counts_LE is not None else [])
         tokens_per_s = t.global_batch_size * t.seq_len / dt
         mfu, mfu_gemm = self._perf_refs().mfu(tokens_per_s)
-
-        def layer_mean(key: str) -> list[float]:
-            return [float(sum(getattr(p, key)[i] for p in per_layer)) / len(per_layer) for i in range(n_layers)]
-
         return {
             "step": done, "loss": loss, "lm_loss": lm, "aux_loss": aux, "z_loss": z, "grad_norm": grad_norm,
             "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": dt, "mfu": mfu, "mfu_gemm": mfu_gemm,
             "expert_load_max": load_max, "expert_load_mean": load_mean, "mem_gib": memory_gib(self.device),
-            "time": time.time(), "aux_per_layer": layer_mean("aux_per_layer"), "z_per_layer": layer_mean("z_per_layer"),
-            "expert_counts": counts_LE.tolist() if counts_LE is not None else None,
+            "time": time.time(), "aux_per_layer": stats.aux_L, "z_per_layer": stats.z_L,
+            "expert_counts": stats.counts_LE.tolist() if stats.counts_LE is not None else None,
         }
 
     def _fault(self, done: int, faulty: list[int], what: Optional[str]) -> int:
