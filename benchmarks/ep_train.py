@@ -36,6 +36,7 @@ from moe_launch.trainer.model import build_model
 from moe_launch.trainer.parallel.dispatch import attach_dispatchers, make_dispatcher
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
+from moe_launch.trainer.tracking.flops import flops_per_token, mfu, spec_peak
 
 
 def model_cfg(args, dispatcher: str) -> ModelConfig:
@@ -99,6 +100,9 @@ def train_run(args, device, groups, strategy: str, dispatcher: str) -> dict:
     out = {
         "strategy": strategy, "dispatcher": dispatcher, "ms_per_step": step, "optimizer_ms": statistics.median(opt_ms),
         "tokens_per_s": args.batch * args.seq * groups.data_size / (step / 1e3),
+        # one GPU's tokens over its data-sheet bf16 peak (None off CUDA)
+        "mfu_spec": mfu(args.batch * args.seq / (step / 1e3), flops_per_token(cfg, args.seq),
+                        spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None),
         "peak_gib": peak_gib(device), "optimizer_state_gib": opt.optimizer_state_bytes() / 2**30,
         "params_local": sum(p.numel() for p in model.parameters()), "loss": loss.item(),
     }
@@ -161,7 +165,9 @@ def main_rank(args) -> None:
             results["train"].append(r)
             if groups.world_rank == 0:
                 print(f"[train] {dispatcher:9s} {strategy:5s} {r['ms_per_step']:8.1f} ms/step "
-                      f"{r['tokens_per_s']:10.0f} tok/s  optimizer {r['optimizer_ms']:7.2f} ms  "
+                      f"{r['tokens_per_s']:10.0f} tok/s  MFU vs spec per GPU "
+                      f"{'-' if r['mfu_spec'] is None else format(r['mfu_spec'], '.1%')}  "
+                      f"optimizer {r['optimizer_ms']:7.2f} ms  "
                       f"peak {r['peak_gib'] or 0:.1f} GiB  state {r['optimizer_state_gib']:.2f} GiB", flush=True)
     for dispatcher in args.dispatchers:
         r = dispatch_run(args, device, groups, dispatcher)

@@ -34,6 +34,7 @@ from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.pipeline import build_pipeline, pipeline_step
 from moe_launch.trainer.pipeline.schedule import simulate
 from moe_launch.trainer.recompute import apply_recompute
+from moe_launch.trainer.tracking.flops import flops_per_token, mfu, spec_peak
 
 
 def olmoe_8_layers(impl: str) -> ModelConfig:
@@ -96,6 +97,8 @@ def run_schedule(model_cfg: ModelConfig, schedule: str, virtual: int, args, devi
     chunk_layers = [len(r) for r in pipe.chunk_ranges]
     return {"schedule": schedule, "virtual_stages": virtual, "microbatches": args.microbatches, "mbs": args.mbs,
             "seq": args.seq, "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens / median,
+            "mfu_spec": mfu(tokens / median / dist.get_world_size(), flops_per_token(model_cfg, args.seq),
+                            spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None),
             "bubble_measured": bubble_measured, "bubble_theory": theory.bubble_fraction,
             "chunk_fwd_ms": 1e3 * t_f, "chunk_bwd_ms": 1e3 * t_b, "peak_mem_gib": float(peak),
             "busy_s_per_stage": busy_per_stage, "timed_step_s": wall, "balance": args.balance,
@@ -145,13 +148,15 @@ def main() -> None:
         meta = {"model": model_cfg.name, "torch": torch.__version__, "device": torch.cuda.get_device_name(device)
                 if device.type == "cuda" else "cpu", "world": 2, "time": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                           time.gmtime())}
-        print(f"\n{meta}\n| schedule | layers per chunk | M | tokens/s | step s | bubble measured | bubble theory "
+        print(f"\n{meta}\n| schedule | layers per chunk | M | tokens/s | MFU vs spec per GPU | step s "
+              "| bubble measured | bubble theory "
               "| busy s per stage | chunk F/B ms | peak GiB |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             name = r["schedule"] + (f" (v={r['virtual_stages']})" if r["virtual_stages"] > 1 else "")
             busy = " / ".join(f"{b:.3f}" for b in r["busy_s_per_stage"])
-            print(f"| {name} | {r['chunk_layers']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | "
+            spec = "-" if r["mfu_spec"] is None else f"{r['mfu_spec']:.1%}"
+            print(f"| {name} | {r['chunk_layers']} | {r['microbatches']} | {r['tokens_per_s']:.0f} | {spec} | "
                   f"{r['step_s_median']:.3f} | {r['bubble_measured']:.3f} | {r['bubble_theory']:.3f} | {busy} | "
                   f"{r['chunk_fwd_ms']:.1f} / "
                   f"{r['chunk_bwd_ms']:.1f} | {r['peak_mem_gib']:.1f} |")

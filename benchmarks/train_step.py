@@ -8,8 +8,10 @@ optimizer ("bf16"), the same with attention + norms compiled ("bf16c"), with 4 m
 ("bf16c_acc4", 16 layers), fp32 parameters + bf16 autocast ("fp32"), and HF's model with experts_implementation
 grouped_mm (fp32 master + autocast, fused torch AdamW; "hf"), at the 4-layer OLMoE shape (batch 4 x 4096) and the
 full 16-layer shape (batch 2 x 4096 per micro-batch).
-MFU = (6*N_active + 6*L*d*S) * tokens / time / dense bf16 GEMM rate measured in this run, with
-N_active = L*(4d^2 + 3*K*d*F + d*E) + d*V (attention, the K active experts, router, output head; no input embedding).
+MFU = (6*N_active + 6*L*d*S) * tokens / time over the device's data-sheet bf16 peak ("MFU spec", 989 TFLOP/s on
+H100/H200) and over the dense bf16 GEMM rate measured in this run ("MFU dense"), with
+N_active = L*(4d^2 + 3*K*d*F + d*E) + d*V (attention, the K active experts, router, output head; no input embedding;
+trainer/tracking/flops.py, the count the trainer's own metrics use).
 """
 
 from __future__ import annotations
@@ -33,13 +35,7 @@ from moe_launch.trainer.model import build_model
 from moe_launch.trainer.model.loss import chunked_cross_entropy
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
-
-
-def flops_per_token(m, seq_len: int) -> float:
-    d, L = m.d_model, m.n_layers
-    per_layer = 4 * d * d + 3 * m.moe.top_k * d * m.moe.expert_hidden + d * m.moe.num_experts
-    n_active = L * per_layer + d * m.vocab_size
-    return 6 * n_active + 6 * L * d * seq_len
+from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
 
 
 def dense_rate(device, n: int) -> float:
@@ -237,6 +233,7 @@ def main() -> None:
                   ("olmoe-16L", base, 2, 4096)]
         rate = dense_rate(device, 8192)
     impl = "fast" if device.type == "cuda" else "reference"
+    spec = spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     prof_dir = os.path.join(args.out, "profile") if args.out and args.profile else None
     four, sixteen = shapes[0], shapes[-1]
     # (id, shape, label, fn(model_cfg, batch) -> row): most informative first, so that --budget-s drops the least
@@ -282,6 +279,7 @@ def main() -> None:
             tokens = B * S * r.get("accum", 1)
             r["tokens_per_s"] = tokens / (r["ms"] / 1e3)
             r["mfu"] = fpt * r["tokens_per_s"] / rate
+            r["mfu_spec"] = fpt * r["tokens_per_s"] / spec if spec else None
         if device.type == "cuda":
             r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         r.update(id=row_id, shape=shape_name, row=name, batch=B, seq=S, row_s=round(time.perf_counter() - t_row, 1))
@@ -295,15 +293,16 @@ def main() -> None:
             print(f"\nprofile of {r['shape']}/{r['id']} (self CUDA ms, calls):")
             for key, ms, n in r["profile_top"]:
                 print(f"  {ms:8.2f} {n:5d}  {key}")
-    print(f"\n{'shape':10s} {'id':11s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'GiB':>6s}  phases")
+    print(f"\n{'shape':10s} {'id':11s} {'ms':>8s} {'tok/s':>9s} {'MFU spec':>8s} {'MFU dense':>9s} {'GiB':>6s}  phases")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:10s} {r['id']:11s} ERROR {r['error']}")
             continue
         ph = " ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in r.get("phases_ms", {}).items())
-        print(f"{r['shape']:10s} {r['id']:11s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {100 * r['mfu']:5.1f}% "
-              f"{r.get('peak_gib', 0):6.1f}  {ph}")
+        mfu_spec = f"{100 * r['mfu_spec']:7.1f}%" if r.get("mfu_spec") else f"{'-':>8s}"
+        print(f"{r['shape']:10s} {r['id']:11s} {r['ms']:8.1f} {r['tokens_per_s']:9.0f} {mfu_spec} "
+              f"{100 * r['mfu']:8.1f}% {r.get('peak_gib', 0):6.1f}  {ph}")
 
 
 def write_json(out_dir, device, rate, rows) -> dict:

@@ -34,11 +34,10 @@ from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import ClusterConfig, DataConfig, RootConfig, TrainConfig
 from moe_launch.rundir import RunDir
 from moe_launch.trainer.data import shards
+from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import dense_rate, flops_per_token  # noqa: E402
-
-SPEC_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16 data-sheet peak; MFU is quoted against it (FP8 experts too)
+from train_step import dense_rate  # noqa: E402
 
 
 def write_random_shards(out: Path, n_rows: int, seq_len: int, vocab: int, seed: int = 0) -> Path:
@@ -129,10 +128,11 @@ def main() -> None:
                 print(r["stderr_tail"], flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rate = dense_rate(device, 256 if args.smoke else 8192)
+    spec = spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None  # FP8 experts too
     for r in rows:
         if "tokens_per_s" in r:
             r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / rate
-            r["mfu_spec"] = r["flops_per_token"] * r["tokens_per_s"] / SPEC_BF16_FLOPS
+            r["mfu_spec"] = r["flops_per_token"] * r["tokens_per_s"] / spec if spec else None
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dense_tflops": rate / 1e12}
     if args.out:
@@ -142,8 +142,9 @@ def main() -> None:
           f"{'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
     for r in rows:
         if "tokens_per_s" in r:
+            mfu_spec = f"{100 * r['mfu_spec']:7.1f}%" if r["mfu_spec"] else f"{'-':>8s}"
             print(f"{r['case']:21s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {r['tokens_per_s_wall'] or 0:10.0f} "
-                  f"{100 * r['mfu_spec']:7.1f}% {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
+                  f"{mfu_spec} {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
         else:
             print(f"{r['case']:21s} {r['rc']:3d} FAILED (see above)")
 

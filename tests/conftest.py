@@ -21,6 +21,11 @@ from pathlib import Path
 
 import pytest
 
+# Triton picks compiled or interpreted once, at its first import; torch._dynamo (a compile test) imports it too. On a
+# host without CUDA the kernels' package asks for the interpreter when it comes first, so it comes first here: which
+# test a worker happens to run first must not decide whether the kernels can run at all.
+import moe_launch.kernels  # noqa: E402,F401
+
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # so `from slurm.helpers import ...` and `from helpers_net import ...` work
     sys.path.insert(0, str(TESTS_DIR))
