@@ -133,7 +133,7 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     return res
 
 
-def kernel_breakdown(step, log, iters: int = 5) -> dict:
+def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 14) -> dict:
     """CUDA time per kernel name over `iters` calls of step() (torch.profiler), largest first, per call."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -149,7 +149,7 @@ def kernel_breakdown(step, log, iters: int = 5) -> dict:
         if us > 0:
             rows[ev.key[:90]] = (us / iters / 1e3, ev.count // iters)
     rows = dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
-    log(f"  kernels of one FP8 fwd+bwd (ms per call, launches): total {sum(v[0] for v in rows.values()):.2f} ms")
-    for name, (ms, n) in list(rows.items())[:14]:
+    log(f"  kernels of one {label} fwd+bwd (ms per call, launches): total {sum(v[0] for v in rows.values()):.2f} ms")
+    for name, (ms, n) in list(rows.items())[:top]:
         log(f"    {ms:7.3f} ms  x{n:<3d} {name}")
     return rows

@@ -11,6 +11,8 @@ then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
 FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd), whatever the routing's balance.
 MFU is given against the spec peak of the row's precision and beside the dense rate measured in this run (bf16: an
 8192^3 matmul; FP8: an 8192^3 row-scaled torch._scaled_mm). Speed-ups are over the bf16 naive row of the same shape.
+--profile adds, for our rows, the CUDA time per kernel (torch.profiler) and its sum beside the timed wall time: a
+sum well below the wall time means the device waits for the host's launches.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from moe_layer import SPEC_TFLOPS, Dims, bench, dense_bf16_tflops, make_layer, naive_experts, rel, route
-from moe_layer_fp8 import dense_fp8_tflops
+from moe_layer_fp8 import dense_fp8_tflops, kernel_breakdown
 
 OURS_BF16, OURS_FP8, NAIVE = "ours bf16", "ours FP8", "naive bf16"
 TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1}
@@ -72,7 +74,7 @@ def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
             "idle_experts": int((counts_E == 0).sum())}
 
 
-def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log) -> dict:
+def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False) -> dict:
     from moe_launch.kernels.moe import fast_experts
 
     d = shape.dims
@@ -132,6 +134,12 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log) -> dict:
             row["ms"] = bench(step, device, rep_ms=rep_ms)
             row["tflops"] = res["flops"] / row["ms"] / 1e9
             log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
+            if profile and device.type == "cuda" and name != NAIVE:
+                # kernel time against the timed wall time: what is left is the device waiting for the host
+                kernels = kernel_breakdown(step, log, label=f"{shape.name} / {name}", top=10)
+                row["kernel_ms"] = sum(ms for ms, _ in kernels.values())
+                row["launches"] = sum(n for _, n in kernels.values())
+                log(f"  {name}: kernels {row['kernel_ms']:.3f} ms of {row['ms']:.3f} ms, {row['launches']} launches")
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             log(f"  timing {name} failed: {e!r}"[:1500])
@@ -176,6 +184,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
     ap.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per row")
+    ap.add_argument("--profile", action="store_true",
+                    help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "moe_shapes.log"), "w")
@@ -211,7 +221,7 @@ def main() -> None:
     for shape in shapes(args.smoke):
         t0 = time.perf_counter()
         try:
-            results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log)
+            results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile)
         except Exception as e:  # noqa: BLE001  (an OOM or a crash is one row of the table, not the end of the run)
             results[shape.name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             log(f"{shape.name} failed: {e!r}\n{traceback.format_exc()}"[:2000])
