@@ -43,6 +43,7 @@ from moe_launch.rundir import RunDir, journal_event, read_jsonl
 # not COMPLETING: the batch script (the supervisor) has exited then, so nothing watches or writes the run any more,
 # and a new start of the run must not be refused while Slurm cleans the job up
 _LIVE_STATES = ("PENDING", "RUNNING", "CONFIGURING", "SUSPENDED", "REQUEUED", "RESIZING")
+STOPPED_BEFORE_START = "stopped by the user before the allocation ran"
 _GONE_GRACE_S = 3.0  # the supervisor writes summary.json just before it exits; give the file a moment
 _YOUNG_JOB_S = 60.0
 
@@ -238,8 +239,7 @@ def _allocation_ended(cfg: RootConfig, rd: RunDir, records: list[dict[str, Any]]
     resubmits = started - 1
     wall = time.time() - records[0]["time"]
     if (rd.root / STOP_FILE).exists():
-        reason = "stopped by the user before the allocation ran"
-        return _final(rd, state, wall, "stopped", reason, resubmits)
+        return _final(rd, state, wall, "stopped", STOPPED_BEFORE_START, resubmits)
     full = disk_full_reason(rd, records)
     if full:  # a new allocation would fail the same way
         return _final(rd, state, wall, "failed", full, resubmits)
@@ -324,11 +324,19 @@ def read_summary(rd: RunDir) -> dict[str, Any]:
 
 
 def request_stop(cfg: RootConfig, rd: RunDir) -> str:
-    """Ask the supervisor to checkpoint and stop; a Slurm job that has not started is cancelled."""
+    """Ask the supervisor to checkpoint and stop; a Slurm job that has not started is cancelled. Its outcome is
+    recorded by the run's follower (the login side or an `attach`), or here when none follows: no supervisor ever
+    ran to write it."""
     (rd.root / STOP_FILE).write_text(f"requested at {time.time()}\n")
-    started = handles(read_jsonl(rd.journal))
+    records = read_jsonl(rd.journal)
+    started = handles(records)
     if started and started[-1]["cluster"] == "slurm":
-        if slurm.job_state(started[-1]["handle"]) == "PENDING":
-            slurm.cancel(started[-1]["handle"])
-            return f"job {started[-1]['handle']} was pending and is cancelled"
+        job = started[-1]["handle"]
+        if slurm.job_state(job) == "PENDING":
+            slurm.cancel(job, if_state="PENDING")  # a job that started meanwhile is its supervisor's to stop
+            if slurm.job_state(job) == "CANCELLED":
+                if not rd.summary.exists() and _ResubmitLock(rd).acquire():  # held by a live follower otherwise
+                    _final(rd, replay(records, cfg.cluster.nodes, cfg.supervisor.max_restarts),
+                           time.time() - records[0]["time"], "stopped", STOPPED_BEFORE_START, len(started) - 1)
+                return f"job {job} was pending and is cancelled"
     return "stop requested: the supervisor checkpoints the trainer and stops"

@@ -184,8 +184,11 @@ def job_state(job_id: str, retry_s: float = 0.0) -> str:
     return words[0] if proc.returncode == 0 and words else ""
 
 
-def cancel(job_id: str, signal_name: Optional[str] = None, retry_s: float = 0.0) -> None:
-    _run(["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id], check=False, retry_s=retry_s)
+def cancel(job_id: str, signal_name: Optional[str] = None, retry_s: float = 0.0,
+           if_state: Optional[str] = None) -> None:
+    """if_state: cancel only a job in that state (scancel --state), so a job that just started is left alone."""
+    _run(["scancel", *([f"--signal={signal_name}"] if signal_name else []),
+          *([f"--state={if_state}"] if if_state else []), job_id], check=False, retry_s=retry_s)
 
 
 # ---- inside the allocation ------------------------------------------------------------------------------------------

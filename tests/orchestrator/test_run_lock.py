@@ -115,3 +115,33 @@ def test_second_start_of_a_live_slurm_run_refuses(slurm_cluster, tmp_path):
     finally:
         subprocess.run([MOE_LAUNCH, "stop", str(rd)], capture_output=True, timeout=60)
         wait_for(lambda: (rd / "summary.json").exists(), 120, "the stopped run's summary")
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("follower", [False, True], ids=["login-side-gone", "login-side-following"])
+def test_stop_of_a_pending_slurm_run_records_the_outcome(slurm_cluster, tmp_path, follower):
+    """`moe-launch stop` cancels an allocation that has not started; no supervisor ever runs to write summary.json, so
+    the login side that follows writes it, or the stop command itself when none follows (it was SIGKILLed)."""
+    args = ["cluster=slurm", "cluster.nodes=1", "cluster.buffers=0", "parallel.dp=1", "train.global_batch_size=4",
+            "cluster.extra_sbatch=['--begin=now+3600']", *LONG]  # held by its begin time: pending for the whole test
+    login = subprocess.Popen([MOE_LAUNCH, *args], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rd = tmp_path / "runs" / "x"
+    try:
+        job = wait_for(lambda: next((r["details"]["handle"] for r in _starts(rd)), None), 60, "the allocation")
+        if not follower:
+            login.kill()
+            login.wait()
+        stop = subprocess.run([MOE_LAUNCH, "stop", str(rd)], capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0 and f"job {job} was pending and is cancelled" in stop.stdout, stop.stderr
+        wait_for(lambda: (rd / "summary.json").exists(), 30, "the stopped run's summary")
+        summary = json.loads((rd / "summary.json").read_text())
+        assert summary["status"] == "stopped" and "before the allocation ran" in summary["reason"]
+        assert len([r for r in read_jsonl(rd / "journal.jsonl") if r["kind"] == "stop"]) == 1  # written once
+        if follower:
+            assert login.wait(30) == 1  # the follower saw the outcome and ended with it
+        jobs = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+        assert jobs.stdout.strip() in ("", "CANCELLED")
+    finally:
+        if login.poll() is None:
+            login.kill()
+            login.wait()
