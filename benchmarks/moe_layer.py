@@ -284,18 +284,25 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "moe_layer.log"), "w")
+def file_log(out_dir: str, name: str):
+    """-> log(msg): print it and append it to out_dir/name, flushed per line (a timeout keeps what was logged)."""
+    os.makedirs(out_dir, exist_ok=True)
+    logf = open(os.path.join(out_dir, name), "w")
 
     def log(msg: str) -> None:
         print(msg, flush=True)
         logf.write(msg + "\n")
         logf.flush()
+
+    return log
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
+    args = ap.parse_args()
+    log = file_log(args.out, "moe_layer.log")
 
     import moe_layer_fp8  # beside this script (its folder is on sys.path)
 

@@ -26,7 +26,7 @@ import traceback
 from dataclasses import asdict, dataclass
 
 import torch
-from moe_layer import SPEC_TFLOPS, Dims, bench, dense_bf16_tflops, make_layer, naive_experts, rel, route
+from moe_layer import SPEC_TFLOPS, Dims, bench, dense_bf16_tflops, file_log, make_layer, naive_experts, rel, route
 from moe_layer_fp8 import dense_fp8_tflops, kernel_breakdown
 
 OURS_BF16, OURS_FP8, NAIVE = "ours bf16", "ours FP8", "naive bf16"
@@ -187,13 +187,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    logf = open(os.path.join(args.out, "moe_shapes.log"), "w")
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        logf.write(msg + "\n")
-        logf.flush()
+    log = file_log(args.out, "moe_shapes.log")
 
     import triton
 
