@@ -204,6 +204,9 @@ def resumed_after(records: list[dict[str, Any]], t: float) -> tuple[Optional[dic
 
 
 def newest_ckpt_before(records: list[dict[str, Any]], t: float) -> int:
+    """The newest full checkpoint journaled by time t. Pass the trainer's resume record time: a persist that was
+    durable when the allocation ended can be journaled a moment after the failure (the dying trainer's background
+    writer records it when the manifest lands), yet it is the one the next attempt must resume from."""
     steps = [r["details"]["step"] for r in records
              if r["kind"] == "checkpoint" and r["time"] <= t and not r["details"].get("model_only")]
     return max(steps)

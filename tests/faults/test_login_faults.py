@@ -88,7 +88,7 @@ def test_fault12_preemption_signal_checkpoints_and_resubmits(reference, tmp_path
     resub = next(r for r in records if r["kind"] == "resubmit")
     assert summary["resubmits"] == 1
     _, trainer = resumed_after(records, resub["time"])
-    assert trainer["details"]["step"] == signal_ckpt == newest_ckpt_before(records, resub["time"])
+    assert trainer["details"]["step"] == signal_ckpt == newest_ckpt_before(records, trainer["time"])
     check_outcome(rd, records, summary, reference, restarts=0, swapped=[])
     report("12 preemption signal", t_fault, records, f" (checkpoint of step {signal_ckpt} on the signal)")
 

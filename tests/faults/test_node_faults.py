@@ -39,7 +39,7 @@ def test_fault01_hard_kill_of_one_nodes_trainer_processes(reference, tmp_path):
     assert code == 0, summary
     failure = assert_story(records, victim, ("StepExited", "node failure"), "swap")
     _, trainer = resumed_after(records, failure["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, failure["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     assert victim in summary["excluded_nodes"]
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[(victim, spare)])
     report("01 node processes killed", t_fault, records)
@@ -61,7 +61,7 @@ def test_fault02_slurmd_of_one_node_stopped(reference, tmp_path):
     assert code == 0, summary
     failure = assert_story(records, victim, ("NodesLost", "StepExited"), "swap")
     _, trainer = resumed_after(records, failure["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, failure["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     assert victim in summary["excluded_nodes"]
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[(victim, spare)])
     report("02 slurmd stopped", t_fault, records, f" (detected {failure['time'] - t_fault:.1f} s after the stop)")
@@ -86,7 +86,7 @@ def test_fault10_supervisor_node_lost_login_side_resubmits(reference, tmp_path):
     assert len(allocs) == 2 and host not in allocs[1]["nodes"], allocs
     assert summary["resubmits"] == 1
     _, trainer = resumed_after(records, resub["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, resub["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     check_outcome(rd, records, summary, reference, restarts=0, swapped=[])
     report("10 supervisor node lost", t_fault, records,
            f" (allocation end seen and resubmitted {resub['time'] - t_fault:.1f} s after the kill)")

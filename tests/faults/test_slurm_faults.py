@@ -110,7 +110,7 @@ def test_allocation_lost_with_a_spare_resubmits_with_fewer_buffers(reference, tm
                for r in records)
     assert {host, spare} <= set(summary["excluded_nodes"]), summary
     _, trainer = resumed_after(records, resub["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, resub["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     check_outcome(rd, records, summary, reference, restarts=0, swapped=[])
     report("supervisor node and a spare lost", t_fault, records,
            f" (resubmitted with 0 buffers {resub['time'] - t_fault:.1f} s after the kill)")

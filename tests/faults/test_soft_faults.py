@@ -31,7 +31,7 @@ def _soft_fault(reference, tmp_path, name: str, kind: str, what: str):
     fault = assert_story(records, victim, what, "swap")
     assert fault["details"]["step"] == FAULT_STEP and fault["details"]["rank"] == 1
     _, trainer = resumed_after(records, fault["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, fault["time"]) == 3
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"]) == 3
     # health.preflight=false: the suspect cannot be cleared by a re-check, so it stays out of the run
     assert victim in summary["excluded_nodes"] and victim not in summary["final_nodes"]
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[(victim, spare)])
@@ -61,7 +61,7 @@ def test_fault05_hang_on_one_rank(reference, tmp_path):
     first = next(r for r in records if r["kind"] == "launch")
     assert relaunch["nodes"] == first["nodes"]  # nobody to blame: the same nodes
     _, trainer = resumed_after(records, hang["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, hang["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     check_outcome(rd, records, summary, reference, restarts=1, swapped=[])
     # the time to resume counts from the last heartbeat: the hang timeout is part of it
     report("05 hang", hang["time"] - hang["details"]["idle_s"], records)

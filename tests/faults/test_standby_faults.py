@@ -48,7 +48,7 @@ def test_fault01_with_standbys_every_rank_resumes_warm_from_memory(reference, tm
     assert code == 0, summary
     failure = assert_story(records, victim, ("StepExited", "node failure"), "swap")
     _, trainer = resumed_after(records, failure["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, failure["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     # from memory unless a newer checkpoint became durable between the standby's last look and the kill
     assert trainer["details"]["from_memory"] == (trainer["details"]["step"] == held)
     for node in (survivor, spare):

@@ -44,7 +44,7 @@ def test_time_limit_chain_of_four_or_more_allocations_completes_with_default_res
     # every window ended in a signal checkpoint, and the next one resumed exactly there
     for resub in resubmits:
         _, trainer = resumed_after(records, resub["time"])
-        assert trainer["details"]["step"] == newest_ckpt_before(records, resub["time"])
+        assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     # the continuation allocations are no failures in Slurm's accounting either
     for r in allocs[:-1]:
         assert wait_sacct_state(r["details"]["job_id"], {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED"}) == \
@@ -68,7 +68,7 @@ def test_no_warning_signal_resumes_from_the_newest_valid_checkpoint(reference, t
     assert wait_sacct_state(first["details"]["previous_job"], {"TIMEOUT", "FAILED", "CANCELLED", "COMPLETED"}) == \
         "TIMEOUT"
     _, trainer = resumed_after(records, first["time"])
-    assert trainer["details"]["step"] == newest_ckpt_before(records, first["time"])
+    assert trainer["details"]["step"] == newest_ckpt_before(records, trainer["time"])
     check_outcome(rd, records, summary, reference, restarts=0, swapped=[])
     print(f"\n[time limit, late signal] resumed from step {trainer['details']['step']} "
           f"({'signal checkpoint' if signalled else 'no signal checkpoint'})")
