@@ -4,8 +4,10 @@ Run on one GPU:  PYTHONUNBUFFERED=1 python benchmarks/moe_shapes.py --out $OUT
 Smoke run on CPU (fp32, tiny, no FP8; checks the script itself):
     TRITON_INTERPRET=1 python benchmarks/moe_shapes.py --smoke --out /tmp/moe_shapes_smoke
 Each shape is one MoE layer as benchmarks/moe_layer.py builds it (router linear + softmax + top-k + experts; tokens
-N(0,1), router and expert weights N(0,0.02)), with three expert implementations on the same tokens and router: ours
-bf16, ours FP8 (sm90 only) and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
+N(0,1), router and expert weights N(0,0.02)), with the expert implementations on the same tokens and router: ours
+bf16, ours FP8 (sm90 only; the weights quantized in every call, and reused as by every pass but the first of a
+training step) and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
+--only picks shapes by name.
 Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
 then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
 FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd), whatever the routing's balance.
@@ -18,6 +20,7 @@ sum well below the wall time means the device waits for the host's launches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -30,7 +33,10 @@ from moe_layer import SPEC_TFLOPS, Dims, bench, dense_bf16_tflops, file_log, mak
 from moe_layer_fp8 import dense_fp8_tflops, kernel_breakdown
 
 OURS_BF16, OURS_FP8, NAIVE = "ours bf16", "ours FP8", "naive bf16"
-TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1}
+# FP8 inside kernels.fp8_weights.reuse_weights(): every pass after the first of a step (further micro-batches, a
+# recomputed forward) finds the weights quantized; timed inside one scope, the first call fills it
+OURS_FP8_REUSED = "ours FP8, weights reused"
+TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1, OURS_FP8_REUSED: 1e-1}
 
 
 @dataclass
@@ -75,6 +81,7 @@ def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
 
 
 def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False) -> dict:
+    from moe_launch.kernels.fp8_weights import reuse_weights
     from moe_launch.kernels.moe import fast_experts
 
     d = shape.dims
@@ -92,7 +99,8 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
     log(f"{shape.name}: {asdict(d)} load {res['load']}")
     layers = {OURS_BF16: make_layer(fast_experts, params, d.K, bias_E=bias_E)}
     if fp8:
-        layers[OURS_FP8] = make_layer(fast_experts, params, d.K, bias_E=bias_E, precision="fp8")
+        layers[OURS_FP8] = layers[OURS_FP8_REUSED] = make_layer(fast_experts, params, d.K, bias_E=bias_E,
+                                                                precision="fp8")
     layers[NAIVE] = make_layer(naive_experts, params, d.K, bias_E=bias_E)
 
     def fwd_bwd(layer):
@@ -107,7 +115,11 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
         if name == NAIVE:
             continue
         try:
-            outs = fwd_bwd(layer)
+            with reuse_weights() if name == OURS_FP8_REUSED else contextlib.nullcontext() as scope:
+                outs = fwd_bwd(layer)
+                if scope is not None:  # the second pass is the one that reuses
+                    outs = fwd_bwd(layer)
+                    row["reuse_hits"] = scope.hits
             row["err_y"] = rel(outs[0], base[0])
             row["err_grads"] = max(rel(a, b) for a, b in zip(outs[1:], base[1:]))
             del outs
@@ -131,7 +143,8 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
             layer(x_TD.detach().requires_grad_()).backward(dy_TD)
 
         try:
-            row["ms"] = bench(step, device, rep_ms=rep_ms)
+            with reuse_weights() if name == OURS_FP8_REUSED else contextlib.nullcontext():
+                row["ms"] = bench(step, device, rep_ms=rep_ms)
             row["tflops"] = res["flops"] / row["ms"] / 1e9
             log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
             if profile and device.type == "cuda" and name != NAIVE:
@@ -167,7 +180,7 @@ def table(results: dict, dense: dict) -> list[str]:
             if "error" in row:
                 lines.append(f"{head} ERROR {row['error']} | | | | | |")
                 continue
-            prec = "fp8" if impl == OURS_FP8 else "bf16"
+            prec = "fp8" if impl in (OURS_FP8, OURS_FP8_REUSED) else "bf16"
             spec = SPEC_TFLOPS[prec]
             row["mfu_spec"], row["of_measured_dense"] = row["tflops"] / spec, row["tflops"] / dense[prec]
             row["speedup"] = naive_ms / row["ms"] if naive_ms else float("nan")
@@ -184,6 +197,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
     ap.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per row")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
     args = ap.parse_args()
@@ -212,7 +226,8 @@ def main() -> None:
     log(f"dense bf16 8192^3: {dense['bf16']:.0f} TFLOP/s, dense FP8 8192^3: {dense['fp8']:.0f} TFLOP/s")
 
     results = {}
-    for shape in shapes(args.smoke):
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+    for shape in (s for s in shapes(args.smoke) if not wanted or any(w in s.name for w in wanted)):
         t0 = time.perf_counter()
         try:
             results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile)

@@ -43,6 +43,9 @@ class MoEConfig:
     # bf16 | fp8: the expert GEMMs of the kernels' forward and activation gradients in FP8 e4m3 with fine-grained
     # scales (kernels/fp8.py; weight gradients stay bf16). Needs the kernels (impl auto or fast) on an sm90 GPU
     precision: str = "bf16"
+    # fp8: quantize each expert weight once per step rather than once per pass when a layer runs more than once in
+    # a step (micro-batches, recomputed experts); the step then holds the e4m3 copies (the weights' bf16 bytes again)
+    fp8_weight_reuse: bool = True
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 

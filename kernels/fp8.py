@@ -18,7 +18,8 @@ Paths: "torch" is torch._scaled_grouped_mm (CUTLASS, sm90, fp32 accumulation, bf
 to fp32 and loops over experts (host sync; tests and CPU). The quantization runs as one Triton kernel (CPU: the
 interpreter) beside its plain-torch reference. Quantizing the weights by output channel needs the channel's values
 along K: for x @ w^T that is a row of w as stored, for the activation gradient (dy @ w) a column, which the kernel
-reads with strided tiles. Weights are quantized per call: bf16 master weights and the optimizer never see FP8.
+reads with strided tiles. The expert weights' operands are built (and reused within a step) by kernels/fp8_weights.py:
+the master weights and the optimizer never see FP8.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def _encode(x, inv_s, q_ty, SOFT_ROUND: tl.constexpr):
 
 @triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [B, R, C] any strides; q [B, R, C] contiguous e4m3; s [B, R] fp32
+    x_ptr, q_ptr, s_ptr,  # x [B, R, C] any strides; q [B, R, C] e4m3, unit last stride; s [B, R] fp32, unit last stride
     num_rows_ptr,  # int32 [] rows per batch to quantize (HAS_NUM_ROWS); rows beyond it are left unwritten
-    R, C, s_xb, s_xr, s_xc,
+    R, C, s_xb, s_xr, s_xc, s_qb, s_qr, s_sb,
     POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, SOFT_ROUND: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,  # ONE_PASS: C <= BLOCK_C
 ):
@@ -81,7 +82,7 @@ def _quant_rows_kernel(
     if HAS_NUM_ROWS:
         row_ok = row_ok & (rows < tl.load(num_rows_ptr))
     x_rows = x_ptr + b * s_xb + rows.to(tl.int64)[:, None] * s_xr
-    q_rows = q_ptr + (b * R + rows.to(tl.int64))[:, None] * C
+    q_rows = q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * s_qr
     q_ty = q_ptr.dtype.element_ty
     if ONE_PASS:  # the whole row in registers: one read
         cols = tl.arange(0, BLOCK_C)
@@ -102,19 +103,33 @@ def _quant_rows_kernel(
             m = row_ok[:, None] & (cols < C)[None, :]
             x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
             tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ty, SOFT_ROUND), mask=m)
-    tl.store(s_ptr + b * R + rows, s, mask=row_ok)
+    tl.store(s_ptr + b * s_sb + rows, s, mask=row_ok)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(0)
 
 
-def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None,
-                         pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s) to write: fresh contiguous ones, or the caller's views (a part of a larger operand), checked."""
+    if out is None:
+        return (torch.empty(x.shape, dtype=E4M3, device=x.device),
+                torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+    q, s = out
+    if q.shape != x.shape or s.shape != x.shape[:-1] or q.dtype != E4M3 or s.dtype != torch.float32:
+        raise ValueError(f"out=(q {tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}) does not fit x "
+                         f"{tuple(x.shape)}: q must be e4m3 of x's shape, s fp32 of its shape without the last dim")
+    if q.stride(-1) != 1 or s.stride(-1) != 1:
+        raise ValueError("out: q and s need a unit stride along their last dim")
+    return q, s
+
+
+def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     x3 = _as_3d(x)
     B, R, C = x3.shape
-    q = torch.empty(B, R, C, dtype=E4M3, device=x.device)
-    s = torch.empty(B, R, dtype=torch.float32, device=x.device)
+    q_out, s_out = _outputs(x, out)
+    q, s = _as_3d(q_out), s_out if s_out.dim() == 2 else s_out.unsqueeze(0)
     if q.numel() > 0:
         cuda = x.is_cuda
         if x3.stride(2) == 1 or not cuda:  # rows contiguous: whole rows per program, in one read up to 4096
@@ -123,10 +138,11 @@ def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None,
         else:  # channels of a weight read across its rows: tiles whose memory-contiguous axis is the row axis
             BLOCK_R, BLOCK_C = 64, min(next_pow2(C), 64)
         nr = num_rows if num_rows is not None else s  # unused when HAS_NUM_ROWS is False
-        launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, q, s, nr, R, C, *x3.stride(),
-               POW2=pow2, HAS_NUM_ROWS=num_rows is not None, SOFT_ROUND=not cuda, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-               ONE_PASS=C <= BLOCK_C, num_warps=8 if cuda and BLOCK_R * BLOCK_C >= 8192 else 4)
-    return q.view(x.shape), s.view(x.shape[:-1])
+        launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, q, s, nr, R, C, *x3.stride(), q.stride(0),
+               q.stride(1), s.stride(0), POW2=pow2, HAS_NUM_ROWS=num_rows is not None, SOFT_ROUND=not cuda,
+               BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=C <= BLOCK_C,
+               num_warps=8 if cuda and BLOCK_R * BLOCK_C >= 8192 else 4)
+    return q_out, s_out
 
 
 def row_scales_reference(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
@@ -134,19 +150,25 @@ def row_scales_reference(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
     return torch.exp2(torch.ceil(torch.log2(s))) if pow2 else s
 
 
-def quantize_rows_reference(x: torch.Tensor, num_rows: torch.Tensor | None = None,
-                            pow2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
+                            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract; every row is quantized (rows >= num_rows may hold anything)."""
     s = row_scales_reference(x, pow2)
     q = (x.float() * s.reciprocal()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # the cast: nearest, ties even
-    return q.contiguous(), s
+    if out is None:
+        return q.contiguous(), s
+    q_out, s_out = _outputs(x, out)
+    q_out.copy_(q)
+    s_out.copy_(s)
+    return q_out, s_out
 
 
-def quantize_rows(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
-                  impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise e4m3 quantization of a [R, C] or [B, R, C] tensor (any strides) -> (q contiguous, s fp32)."""
+def quantize_rows(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True, impl: str = "triton",
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise e4m3 quantization of a [R, C] or [B, R, C] tensor (any strides) -> (q, s fp32): q contiguous, or
+    written into out=(q, s), views with a unit last-dim stride (say, one half of a larger operand)."""
     fn = quantize_rows_triton if impl == "triton" else quantize_rows_reference
-    return fn(x, num_rows, pow2)
+    return fn(x, num_rows, pow2, out)
 
 
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,16 @@ Rows >= R of every buffer are unspecified and never read. No host sync anywhere 
 
 precision="fp8" (kernels/fp8.py): the forward GEMMs (gate, up, down) and the activation-gradient GEMMs (dh, dx gate,
 dx up) run as e4m3 x e4m3 torch._scaled_grouped_mm with fp32 accumulation and bf16 output; activations scaled per
-row, weights per output channel, the weights quantized afresh in every call (bf16 masters and optimizer untouched).
+row, weights per output channel (kernels/fp8_weights.py: gate and up quantized into one operand, so the forward runs
+one GEMM for both; quantized in every call, or once per kernels.fp8_weights.reuse_weights() scope; master weights and
+optimizer untouched).
 Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are quantized
 (T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is
 w[t,k] times the token's scale. h and dg, du are quantized after the SwiGLU kernels. The three weight-gradient GEMMs
 stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
 (padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
-would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's; outputs
-and gradients come back in bf16 (in the caller's dtype for the inputs' gradients: the casts sit outside).
+would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's (g and u
+as the two halves of the gate-up GEMM's output); outputs come back in bf16, gradients in their inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from moe_launch.kernels import fp8
+from moe_launch.kernels.fp8_weights import ExpertOperands, Operand
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
@@ -48,34 +51,37 @@ class _FastExperts(torch.autograd.Function):
         plan = route_indices(idx_TK, e_start, e_start + E)
         x_TD = x_TD.contiguous()
         x_ND = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
+        ops = None
         if precision == "fp8":
-            mm = _Fp8Gemms(plan, gemm_impl)
-            xq_ND, xs_N = mm.gathered_rows(x_TD)
-            g_NF = mm(xq_ND, xs_N, w_gate_EFD.transpose(1, 2))
-            u_NF = mm(xq_ND, xs_N, w_up_EFD.transpose(1, 2))
-            del xq_ND
+            ops, mm = ExpertOperands(w_gate_EFD, w_up_EFD, w_down_EDF), _Fp8Gemms(plan, gemm_impl)
+            Fh = w_gate_EFD.shape[1]
+            gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
+            g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
             h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
-            y_ND = mm(*fp8.quantize_rows(h_NF, plan.num_rows), w_down_EDF.transpose(1, 2))
+            y_ND = mm(*fp8.quantize_rows(h_NF, plan.num_rows), ops.down())
         else:
             g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
             u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
             h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
             y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
         y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
-        ctx.save_for_backward(x_ND, g_NF, u_NF, y_ND, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF)
-        ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.precision = plan, gemm_impl, x_TD.dtype, precision
+        weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
+        ctx.save_for_backward(x_ND, g_NF, u_NF, y_ND, w_TK, *weights)
+        ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.ops = plan, gemm_impl, x_TD.dtype, ops
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_ND, g_NF, u_NF, y_ND, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF = ctx.saved_tensors
+        x_ND, g_NF, u_NF, y_ND, w_TK, *weights = ctx.saved_tensors
         plan: RoutePlan = ctx.plan
         impl = ctx.gemm_impl
-        fp8_mm = _Fp8Gemms(plan, impl) if ctx.precision == "fp8" else None
+        ops: ExpertOperands | None = ctx.ops
+        fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
         dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
         if fp8_mm is not None:
-            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), w_down_EDF)
+            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), ops.down_t())
         else:
+            w_gate_EFD, w_up_EFD, w_down_EDF = weights
             dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
         dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
         need = ctx.needs_input_grad
@@ -85,25 +91,28 @@ class _FastExperts(torch.autograd.Function):
         dx_TD = None
         if need[0]:
             if fp8_mm is not None:
-                dxg_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows), w_gate_EFD)
-                dxu_ND = fp8_mm(*fp8.quantize_rows(du_NF, plan.num_rows), w_up_EFD)
+                dxg_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows), ops.gate_t())
+                dxu_ND = fp8_mm(*fp8.quantize_rows(du_NF, plan.num_rows), ops.up_t())
             else:
                 dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
                 dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
             dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
+        if ops is not None:  # fp8 takes the weights in their own dtype; the weight-gradient GEMMs run in bf16
+            dw_gate, dw_up, dw_down = (None if d is None else d.to(w.dtype) for d, w in
+                                       ((dw_gate, ops.w_gate_EFD), (dw_up, ops.w_up_EFD), (dw_down, ops.w_down_EDF)))
         return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None, None
 
 
 class _Fp8Gemms:
-    """The FP8 grouped GEMMs of one plan: `mm(aq_NK, as_N, b_EKM)` quantizes the weight view b_EKM per output
-    channel and multiplies. gemm_impl "reference" emulates in fp32; any other runs torch._scaled_grouped_mm."""
+    """The FP8 grouped GEMMs of one plan: `mm(aq_NK, as_N, (bq_EKM, bs_EM))`, a weight operand from
+    kernels/fp8_weights.py. gemm_impl "reference" emulates in fp32; any other runs torch._scaled_grouped_mm."""
 
     def __init__(self, plan: RoutePlan, gemm_impl: str):
         self.plan = plan
         self.impl = "reference" if gemm_impl == "reference" else "torch"
 
-    def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b_EKM: torch.Tensor) -> torch.Tensor:
-        return fp8.scaled_grouped_mm(aq_NK, as_N, *fp8.quantize_operand(b_EKM), self.plan, self.impl)
+    def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b: Operand) -> torch.Tensor:
+        return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, self.impl)
 
     def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None):
         """Rows r of the expert-sorted buffer hold w[t,k] * v[t] (w_TK None: v[t]): quantize the T tokens once and
@@ -134,9 +143,9 @@ def fast_experts(
     precision: "bf16" | "fp8" (the module docstring says which GEMMs; "fp8" needs an sm90 GPU unless gemm_impl is
     "reference", which emulates the FP8 GEMMs in fp32).
     Under torch.autocast the expert computation runs in the autocast dtype, as F.linear would, and y_TD comes back in
-    that dtype; with precision="fp8" it runs in bf16 (the FP8 GEMMs' output dtype). The casts sit outside the
-    autograd Function, so fp32 master weights get fp32 gradients. w_TK keeps its dtype (the reductions accumulate in
-    fp32 either way).
+    that dtype; with precision="fp8" it runs in bf16 (the FP8 GEMMs' output dtype). Weight gradients come back in
+    the weights' dtype (fp32 master weights get fp32 gradients). w_TK keeps its dtype (the reductions accumulate in
+    fp32 either way). precision="fp8" inside kernels.fp8_weights.reuse_weights() quantizes each weight once per scope.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"expert precision {precision!r} is not one of {PRECISIONS}")
@@ -144,6 +153,8 @@ def fast_experts(
     dt = torch.bfloat16 if precision == "fp8" else (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                                                      else None)
     if dt is not None:
-        x_TD, w_gate_EFD, w_up_EFD, w_down_EDF = (t.to(dt) for t in (x_TD, w_gate_EFD, w_up_EFD, w_down_EDF))
+        x_TD = x_TD.to(dt)
+        if precision != "fp8":  # fp8 quantizes the weights from their own dtype (kernels/fp8_weights.py)
+            w_gate_EFD, w_up_EFD, w_down_EDF = (w.to(dt) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
     return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl,
                               precision)

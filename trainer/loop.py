@@ -59,7 +59,7 @@ from moe_launch.trainer.metrics import (
 )
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
-from moe_launch.trainer.moe.layer import MoELayer, check_precision
+from moe_launch.trainer.moe.layer import MoELayer, check_precision, expert_weight_scope
 from moe_launch.trainer.moe.skew import (
     ChunkedExperts,
     expert_bytes_per_row,
@@ -143,6 +143,7 @@ class Trainer(Restore, Checkpointing):
             attach_dispatchers(self.model, cfg, self.groups)  # EP token exchange; a no-op for ep=1
         if t.recompute and model is None:
             apply_recompute(self.model, t.recompute)
+        self.weight_scope = expert_weight_scope(cfg.model, self.accum_steps, t.recompute)
         if self.compiled and model is None:  # the dense parts of every block (norms, attention), in place:
             # parameter names stay; the MoE layers stay eager. Tracing happens at the first forward, so in the
             # parameters' final dtype
@@ -244,6 +245,10 @@ class Trainer(Restore, Checkpointing):
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
         """Returns this rank's loss parts P = [loss, lm, aux, z] (means over micro-batches) and per-layer stats."""
         batch_BL = self.loader.get(batch_for_step(step, self.rollback.skips)).to(self.device, non_blocking=True)
+        with self.weight_scope():  # the weights are fixed until the update: FP8 experts quantize them once
+            return self._passes(batch_BL, done)
+
+    def _passes(self, batch_BL: torch.Tensor, done: int) -> tuple[torch.Tensor, list]:
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BL, done)
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)

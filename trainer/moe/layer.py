@@ -16,14 +16,15 @@ The aux and z losses and the load counts are computed from this rank's own routi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
-from moe_launch.conf.schema import MoEConfig
+from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.errors import ConfigError
 from moe_launch.trainer.moe.losses import expert_counts, load_balancing_loss, router_z_loss
 from moe_launch.trainer.moe.reference import experts_reference
@@ -51,6 +52,19 @@ def resolve_experts_fn(impl: str, precision: str = "bf16") -> ExpertsFn:
         raise ConfigError(key, f"the FastSparseMoE kernels cannot be imported ({e})",
                           "install the kernels (triton), or use model.moe.impl=reference with precision=bf16") from e
     return fast_experts if precision == "bf16" else functools.partial(fast_experts, precision=precision)
+
+
+def expert_weight_scope(cfg: ModelConfig, passes: int, recompute: list[str]) -> Callable[[], ContextManager]:
+    """What the trainer opens around each step's forward and backward passes: with FP8 experts and
+    model.moe.fp8_weight_reuse, a scope that quantizes each expert weight once per step where a layer runs more than
+    once in it (`passes` micro-batches; `recompute` re-running the experts' forward), else nothing."""
+    moe = cfg.moe
+    if cfg.kind != "moe" or moe.precision != "fp8" or not moe.fp8_weight_reuse:
+        return contextlib.nullcontext
+    from moe_launch.kernels.fp8_weights import operands_to_reuse, reuse_weights
+
+    keep = operands_to_reuse(passes, forward_recomputed=bool({"moe", "full"} & set(recompute)))
+    return functools.partial(reuse_weights, keep) if keep else contextlib.nullcontext
 
 
 def check_precision(precision: str, device: torch.device) -> None:

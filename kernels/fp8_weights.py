@@ -1,0 +1,128 @@
+"""The expert weights as FP8 GEMM operands, and their reuse while the weights stay the same.
+
+An FP8 expert layer multiplies by each weight twice per pass, scaled per output channel of that GEMM, so every weight
+is quantized in two orientations (E local experts, F expert hidden, D model dim):
+  forward   x_ND @ [w_gate; w_up]^T   gate_up()  b operand [E, D, 2F], scales [E, 2F]: one GEMM for both projections
+            h_NF @ w_down^T           down()     b operand [E, F, D], scales [E, D]
+  backward  dy_ND @ w_down            down_t()   b operand [E, D, F], scales [E, F]
+            dg_NF @ w_gate            gate_t()   b operand [E, F, D], scales [E, D]   (and up_t() for du_NF @ w_up)
+The quantization reads the weights in whatever dtype they are stored (fp32 masters need no bf16 copy first).
+
+Reuse: `with reuse_weights(keep):` opens a scope in which an operand named in `keep`, once quantized, is handed to
+every later call on the same weight: the trainer opens one around a step's forward and backward passes, where the
+weights cannot change, so further micro-batches and recomputed forwards skip the quantization (operands_to_reuse
+picks what a step would quantize more than once). An entry is used only while its
+weight's autograd version counter and storage are the ones it was built from (an in-place update through torch ops
+re-quantizes); an update that bypasses the version counter (a Triton kernel, `.data`) must happen outside any scope,
+as the optimizer's does. The scope holds the e4m3 copies, as many bytes as the bf16 weights, until it closes.
+Outside a scope every call quantizes afresh and nothing is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from moe_launch.kernels import fp8
+
+Operand = tuple[torch.Tensor, torch.Tensor]  # (q_EKM e4m3 column-major, s_EM fp32): the b operand of a GEMM
+
+
+FORWARD = ("gate_up", "down")
+BACKWARD = ("down_t", "gate_t", "up_t")
+
+
+def operands_to_reuse(passes: int, forward_recomputed: bool) -> tuple[str, ...]:
+    """Which operands a step keeps: those a layer quantizes more than once per step. `passes`: forward+backward
+    passes per step (micro-batches); `forward_recomputed`: the experts' forward runs again in the backward. Pure."""
+    return (FORWARD if passes > 1 or forward_recomputed else ()) + (BACKWARD if passes > 1 else ())
+
+
+@dataclass
+class ReuseScope:
+    """The operands quantized in one scope, by (orientation, weights' ids); hits / misses count lookups of the kept
+    orientations."""
+    keep: tuple[str, ...]
+    entries: dict[tuple, tuple[tuple, Operand, tuple]] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+
+_SCOPES: list[ReuseScope] = []
+
+
+@contextlib.contextmanager
+def reuse_weights(keep: tuple[str, ...] = FORWARD + BACKWARD) -> Iterator[ReuseScope | None]:
+    """Reuse the operands named in `keep` until the block ends (see the module docstring); keep=(): no scope."""
+    if not keep:
+        yield None
+        return
+    unknown = set(keep) - set(FORWARD + BACKWARD)
+    if unknown:
+        raise ValueError(f"unknown FP8 weight operands {sorted(unknown)}; known: {FORWARD + BACKWARD}")
+    scope = ReuseScope(tuple(keep))
+    _SCOPES.append(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPES.remove(scope)
+        scope.entries.clear()
+
+
+def _stamp(ws: tuple[torch.Tensor, ...]) -> tuple:
+    return tuple((w._version, w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in ws)
+
+
+def _cached(name: str, ws: tuple[torch.Tensor, ...], build: Callable[[], Operand]) -> Operand:
+    if not _SCOPES or name not in _SCOPES[-1].keep:
+        return build()
+    scope = _SCOPES[-1]
+    key = (name, *(id(w) for w in ws))
+    stamp = _stamp(ws)
+    hit = scope.entries.get(key)
+    if hit is not None and hit[0] == stamp:
+        scope.hits += 1
+        return hit[1]
+    scope.misses += 1
+    op = build()
+    scope.entries[key] = (stamp, op, ws)  # holding the weights keeps their ids from being reused by new tensors
+    return op
+
+
+def _channels(w_EMK: torch.Tensor) -> Operand:
+    """Quantize each row (an output channel m over K) of a [E, M, K] view -> the b operand [E, K, M] column-major."""
+    q_EMK, s_EM = fp8.quantize_rows(w_EMK)
+    return q_EMK.transpose(1, 2), s_EM
+
+
+class ExpertOperands:
+    """The FP8 operands of one layer call's expert weights, each quantized on first use (inside a reuse scope: at
+    most once per scope)."""
+
+    def __init__(self, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor, w_down_EDF: torch.Tensor):
+        self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF = w_gate_EFD, w_up_EFD, w_down_EDF
+
+    def gate_up(self) -> Operand:
+        def build() -> Operand:
+            E, Fh, D = self.w_gate_EFD.shape
+            q_E2FD = torch.empty(E, 2 * Fh, D, dtype=fp8.E4M3, device=self.w_gate_EFD.device)
+            s_E2F = torch.empty(E, 2 * Fh, dtype=torch.float32, device=self.w_gate_EFD.device)
+            fp8.quantize_rows(self.w_gate_EFD, out=(q_E2FD[:, :Fh], s_E2F[:, :Fh]))
+            fp8.quantize_rows(self.w_up_EFD, out=(q_E2FD[:, Fh:], s_E2F[:, Fh:]))
+            return q_E2FD.transpose(1, 2), s_E2F
+        return _cached("gate_up", (self.w_gate_EFD, self.w_up_EFD), build)
+
+    def down(self) -> Operand:
+        return _cached("down", (self.w_down_EDF,), lambda: _channels(self.w_down_EDF))
+
+    def down_t(self) -> Operand:
+        return _cached("down_t", (self.w_down_EDF,), lambda: _channels(self.w_down_EDF.transpose(1, 2)))
+
+    def gate_t(self) -> Operand:
+        return _cached("gate_t", (self.w_gate_EFD,), lambda: _channels(self.w_gate_EFD.transpose(1, 2)))
+
+    def up_t(self) -> Operand:
+        return _cached("up_t", (self.w_up_EFD,), lambda: _channels(self.w_up_EFD.transpose(1, 2)))

@@ -1,0 +1,132 @@
+"""The expert weights' FP8 operands (kernels/fp8_weights.py): quantizing into part of a larger operand, the fused
+gate-up operand, reuse within a scope (same results bit for bit, each weight quantized once, re-quantized after an
+in-place update, only the orientations asked for), and the trainer's choice of scope. CPU: Triton's interpreter for
+the quantization, the fp32 emulation for the GEMMs."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from kernel_helpers import random_idx
+
+from moe_launch.conf.schema import ModelConfig, MoEConfig
+from moe_launch.kernels import fp8
+from moe_launch.kernels.fp8_weights import BACKWARD, FORWARD, ExpertOperands, operands_to_reuse, reuse_weights
+from moe_launch.kernels.moe import fast_experts
+from moe_launch.trainer.moe.layer import expert_weight_scope
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == fp8.E4M3 else t
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_quantize_rows_into_part_of_a_larger_operand(impl):
+    gen = torch.Generator().manual_seed(0)
+    x_ERC = (torch.randn(3, 20, 40, generator=gen) * torch.logspace(-3, 2, 20)[:, None]).bfloat16()
+    q_big = torch.zeros(3, 50, 40, dtype=fp8.E4M3)
+    s_big = torch.full((3, 50), -1.0)
+    q, s = fp8.quantize_rows(x_ERC, impl=impl, out=(q_big[:, 10:30], s_big[:, 10:30]))
+    q_want, s_want = fp8.quantize_rows(x_ERC, impl=impl)
+    assert q.data_ptr() == q_big[:, 10:30].data_ptr()
+    assert torch.equal(_bits(q_big[:, 10:30]), _bits(q_want)) and torch.equal(s_big[:, 10:30], s_want)
+    assert bool((q_big[:, :10].float() == 0).all()) and bool((s_big[:, 30:] == -1).all())  # nothing else written
+
+
+def test_quantize_rows_refuses_an_out_that_does_not_fit():
+    x = torch.randn(4, 8).bfloat16()
+    for q, s in ((torch.empty(4, 9, dtype=fp8.E4M3), torch.empty(4)),
+                 (torch.empty(4, 8, dtype=fp8.E4M3), torch.empty(4, dtype=torch.float64)),
+                 (torch.empty(8, 4, dtype=fp8.E4M3).t(), torch.empty(4))):
+        with pytest.raises(ValueError, match="out"):
+            fp8.quantize_rows(x, out=(q, s))
+
+
+def test_gate_up_operand_is_both_projections_side_by_side():
+    gen = torch.Generator().manual_seed(1)
+    w_gate, w_up = (torch.randn(4, 24, 32, generator=gen) * s for s in (1.0, 1e-3))
+    q, s = ExpertOperands(w_gate, w_up, torch.randn(4, 32, 24)).gate_up()
+    assert q.shape == (4, 32, 48) and q.stride(1) == 1  # the b operand [E, D, 2F], column-major
+    for half, w in ((slice(0, 24), w_gate), (slice(24, 48), w_up)):
+        q_want, s_want = fp8.quantize_operand(w.transpose(1, 2))
+        assert torch.equal(_bits(q[:, :, half]), _bits(q_want)) and torch.equal(s[:, half], s_want)
+
+
+def test_operands_to_reuse():
+    assert operands_to_reuse(1, False) == ()
+    assert operands_to_reuse(1, True) == FORWARD
+    assert operands_to_reuse(4, False) == operands_to_reuse(2, True) == FORWARD + BACKWARD
+
+
+def _layer_inputs(gen, T=96, D=32, Fh=24, E=8, K=2, dtype=torch.float32):
+    idx = random_idx(T, K, E, gen, range(0))
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w_TK = torch.rand(T, K, generator=gen)
+    ws = [(torch.randn(E, Fh, D, generator=gen) / 6).to(dtype).requires_grad_(),
+          (torch.randn(E, Fh, D, generator=gen) / 6).to(dtype).requires_grad_(),
+          (torch.randn(E, D, Fh, generator=gen) / 5).to(dtype).requires_grad_()]
+    return idx, x, w_TK, ws, torch.randn(T, D, generator=gen).bfloat16()
+
+
+def _pass(idx, x, w_TK, ws, dy):
+    """One micro-batch: forward and backward, weight gradients accumulated into .grad; returns (y, dx)."""
+    x = x.clone().requires_grad_()
+    y = fast_experts(x, idx, w_TK, *ws, gemm_impl="reference", precision="fp8")
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def test_reuse_within_a_scope_gives_the_same_bits_and_quantizes_each_weight_once():
+    idx, x, w_TK, ws, dy = _layer_inputs(torch.Generator().manual_seed(2))
+    fresh = [_pass(idx, x, w_TK, ws, dy) for _ in range(3)]
+    grads_fresh = [w.grad.clone() for w in ws]
+    for w in ws:
+        w.grad = None
+    with reuse_weights() as scope:
+        reused = [_pass(idx, x, w_TK, ws, dy) for _ in range(3)]
+    assert (scope.misses, scope.hits) == (5, 10)  # gate_up, down, down_t, gate_t, up_t: once, then twice reused
+    assert not scope.entries  # released with the scope
+    for (y0, dx0), (y1, dx1) in zip(fresh, reused):
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    for g0, w in zip(grads_fresh, ws):
+        assert w.grad.dtype == torch.float32 and torch.equal(g0, w.grad)  # master weights keep their dtype
+
+
+def test_an_in_place_update_inside_a_scope_is_quantized_again():
+    idx, x, w_TK, ws, dy = _layer_inputs(torch.Generator().manual_seed(3), dtype=torch.bfloat16)
+    with reuse_weights() as scope:
+        _pass(idx, x, w_TK, ws, dy)
+        with torch.no_grad():
+            ws[1].mul_(-2.0)  # w_up: gate_up and up_t are stale, the rest stays valid
+        y_scoped, dx_scoped = _pass(idx, x, w_TK, ws, dy)
+    assert (scope.misses, scope.hits) == (5 + 2, 3)
+    y_fresh, dx_fresh = _pass(idx, x, w_TK, ws, dy)
+    assert torch.equal(y_scoped, y_fresh) and torch.equal(dx_scoped, dx_fresh)
+
+
+def test_only_the_orientations_asked_for_are_kept():
+    idx, x, w_TK, ws, dy = _layer_inputs(torch.Generator().manual_seed(4))
+    with reuse_weights(FORWARD) as scope:
+        _pass(idx, x, w_TK, ws, dy)
+        _pass(idx, x, w_TK, ws, dy)
+    assert (scope.misses, scope.hits) == (2, 2)
+    assert {k[0] for k in scope.entries} <= set(FORWARD)
+    with pytest.raises(ValueError, match="unknown"):
+        with reuse_weights(("gate",)):
+            pass
+    with reuse_weights(()) as none:
+        assert none is None
+
+
+def test_the_trainer_opens_a_reuse_scope_only_where_a_step_quantizes_a_weight_twice():
+    fp8_moe = ModelConfig(moe=MoEConfig(precision="fp8"))
+    assert expert_weight_scope(ModelConfig(), 4, []) is contextlib.nullcontext  # bf16
+    assert expert_weight_scope(ModelConfig(kind="dense"), 4, []) is contextlib.nullcontext
+    assert expert_weight_scope(ModelConfig(moe=MoEConfig(precision="fp8", fp8_weight_reuse=False)), 4, []) \
+        is contextlib.nullcontext
+    assert expert_weight_scope(fp8_moe, 1, ["attention"]) is contextlib.nullcontext  # one pass, nothing recomputed
+    for passes, recompute, keep in ((1, ["moe"], FORWARD), (1, ["full"], FORWARD), (2, [], FORWARD + BACKWARD)):
+        with expert_weight_scope(fp8_moe, passes, recompute)() as scope:
+            assert scope.keep == keep
