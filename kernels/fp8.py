@@ -12,6 +12,7 @@ Scaling follows DeepSeek-V3's fine-grained recipe at the granularity torch's row
 Shapes: N row capacity, R valid rows (device scalar), K contraction dim, M output dim, E local experts.
 
   quantize_rows(x_[B]RC, num_rows=None) -> (q_[B]RC e4m3 contiguous, s_[B]R fp32)   x any strides
+  quantize_rows(x, tail=t_[B]RC')      -> the rows of cat([x, t], -1), never concatenated
   quantize_operand(b_EKM)              -> (q_EKM column-major e4m3, s_EM)            the b operand of a GEMM
   scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan) -> c_NM bf16 = (as*aq)[r] @ (bq*bs)[e(r)]
 Paths: "torch" is torch._scaled_grouped_mm (CUTLASS, sm90, fp32 accumulation, bf16 out); "reference" dequantizes
@@ -69,12 +70,31 @@ def _encode(x, inv_s, q_ty, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _amax_of(x_rows, s_xc, C, row_ok, amax, BLOCK_C: tl.constexpr):
+    for c0 in range(0, C, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    return amax
+
+
+@triton.jit
+def _encode_into(x_rows, s_xc, C, q_rows, row_ok, inv_s, SOFT_ROUND: tl.constexpr, BLOCK_C: tl.constexpr):
+    for c0 in range(0, C, BLOCK_C):  # the re-read after the amax pass comes from cache
+        cols = c0 + tl.arange(0, BLOCK_C)
+        m = row_ok[:, None] & (cols < C)[None, :]
+        x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
+        tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_rows.dtype.element_ty, SOFT_ROUND), mask=m)
+
+
+@triton.jit
 def _quant_rows_kernel(
-    x_ptr, q_ptr, s_ptr,  # x [B, R, C] any strides; q [B, R, C] e4m3, unit last stride; s [B, R] fp32, unit last stride
-    num_rows_ptr,  # int32 [] rows per batch to quantize (HAS_NUM_ROWS); rows beyond it are left unwritten
-    R, C, s_xb, s_xr, s_xc, s_qb, s_qr, s_sb,
-    POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, SOFT_ROUND: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,  # ONE_PASS: C <= BLOCK_C
+    x_ptr, t_ptr, q_ptr, s_ptr,  # x [B, R, C], tail t [B, R, Ct] (HAS_TAIL) any strides; q [B, R, C + Ct] e4m3 and
+    num_rows_ptr,  # s [B, R] fp32, unit last strides; int32 [] rows per batch to quantize (HAS_NUM_ROWS): rows
+    R, C, Ct, s_xb, s_xr, s_xc, s_tb, s_tr, s_tc, s_qb, s_qr, s_sb,  # beyond it are left unwritten
+    POW2: tl.constexpr, HAS_NUM_ROWS: tl.constexpr, SOFT_ROUND: tl.constexpr, HAS_TAIL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_PASS: tl.constexpr,  # ONE_PASS: no tail, C <= BLOCK_C
 ):
     b = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -83,26 +103,21 @@ def _quant_rows_kernel(
         row_ok = row_ok & (rows < tl.load(num_rows_ptr))
     x_rows = x_ptr + b * s_xb + rows.to(tl.int64)[:, None] * s_xr
     q_rows = q_ptr + b * s_qb + rows.to(tl.int64)[:, None] * s_qr
-    q_ty = q_ptr.dtype.element_ty
     if ONE_PASS:  # the whole row in registers: one read
         cols = tl.arange(0, BLOCK_C)
         m = row_ok[:, None] & (cols < C)[None, :]
         x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
         s, inv_s = _scales(tl.max(tl.abs(x), axis=1), POW2)
-        tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ty, SOFT_ROUND), mask=m)
-    else:
-        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for c0 in range(0, C, BLOCK_C):  # pass 1: amax of each row
-            cols = c0 + tl.arange(0, BLOCK_C)
-            m = row_ok[:, None] & (cols < C)[None, :]
-            x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=m)
+    else:  # pass 1: each row's amax (over x, then the tail), pass 2: quantize
+        t_rows = t_ptr + b * s_tb + rows.to(tl.int64)[:, None] * s_tr
+        amax = _amax_of(x_rows, s_xc, C, row_ok, tl.zeros([BLOCK_R], dtype=tl.float32), BLOCK_C)
+        if HAS_TAIL:
+            amax = _amax_of(t_rows, s_tc, Ct, row_ok, amax, BLOCK_C)
         s, inv_s = _scales(amax, POW2)
-        for c0 in range(0, C, BLOCK_C):  # pass 2: quantize (the re-read comes from cache)
-            cols = c0 + tl.arange(0, BLOCK_C)
-            m = row_ok[:, None] & (cols < C)[None, :]
-            x = tl.load(x_rows + cols[None, :] * s_xc, mask=m, other=0.0).to(tl.float32)
-            tl.store(q_rows + cols[None, :], _encode(x, inv_s, q_ty, SOFT_ROUND), mask=m)
+        _encode_into(x_rows, s_xc, C, q_rows, row_ok, inv_s, SOFT_ROUND, BLOCK_C)
+        if HAS_TAIL:
+            _encode_into(t_rows, s_tc, Ct, q_rows + C, row_ok, inv_s, SOFT_ROUND, BLOCK_C)
     tl.store(s_ptr + b * s_sb + rows, s, mask=row_ok)
 
 
@@ -110,38 +125,50 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 3 else x.unsqueeze(0)
 
 
-def _outputs(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(shape: tuple[int, ...], device: torch.device,
+             out: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, s) to write: fresh contiguous ones, or the caller's views (a part of a larger operand), checked."""
     if out is None:
-        return (torch.empty(x.shape, dtype=E4M3, device=x.device),
-                torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device))
+        return (torch.empty(shape, dtype=E4M3, device=device),
+                torch.empty(shape[:-1], dtype=torch.float32, device=device))
     q, s = out
-    if q.shape != x.shape or s.shape != x.shape[:-1] or q.dtype != E4M3 or s.dtype != torch.float32:
-        raise ValueError(f"out=(q {tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}) does not fit x "
-                         f"{tuple(x.shape)}: q must be e4m3 of x's shape, s fp32 of its shape without the last dim")
+    if tuple(q.shape) != shape or tuple(s.shape) != shape[:-1] or q.dtype != E4M3 or s.dtype != torch.float32:
+        raise ValueError(f"out=(q {tuple(q.shape)} {q.dtype}, s {tuple(s.shape)} {s.dtype}) does not fit the rows "
+                         f"{shape}: q must be e4m3 of that shape, s fp32 of it without the last dim")
     if q.stride(-1) != 1 or s.stride(-1) != 1:
         raise ValueError("out: q and s need a unit stride along their last dim")
     return q, s
 
 
+def _row_shape(x: torch.Tensor, tail: torch.Tensor | None) -> tuple[int, ...]:
+    if tail is None:
+        return tuple(x.shape)
+    if tail.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"tail {tuple(tail.shape)} must match x {tuple(x.shape)} in every dim but the last")
+    return (*x.shape[:-1], x.shape[-1] + tail.shape[-1])
+
+
 def quantize_rows_triton(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
-                         out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     x3 = _as_3d(x)
     B, R, C = x3.shape
-    q_out, s_out = _outputs(x, out)
+    q_out, s_out = _outputs(_row_shape(x, tail), x.device, out)
     q, s = _as_3d(q_out), s_out if s_out.dim() == 2 else s_out.unsqueeze(0)
+    t3 = _as_3d(tail) if tail is not None else x3  # unused when HAS_TAIL is False
+    Ct = t3.shape[2] if tail is not None else 0
     if q.numel() > 0:
         cuda = x.is_cuda
-        if x3.stride(2) == 1 or not cuda:  # rows contiguous: whole rows per program, in one read up to 4096
-            BLOCK_C = min(next_pow2(C), 4096)
+        if (x3.stride(2) == 1 and t3.stride(2) == 1) or not cuda:  # rows contiguous: whole rows per program
+            BLOCK_C = min(next_pow2(max(C, Ct)), 4096)
             BLOCK_R = max(1, (8192 if cuda else 65536) // BLOCK_C)
         else:  # channels of a weight read across its rows: tiles whose memory-contiguous axis is the row axis
-            BLOCK_R, BLOCK_C = 64, min(next_pow2(C), 64)
+            BLOCK_R, BLOCK_C = 64, min(next_pow2(max(C, Ct)), 64)
         nr = num_rows if num_rows is not None else s  # unused when HAS_NUM_ROWS is False
-        launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, q, s, nr, R, C, *x3.stride(), q.stride(0),
-               q.stride(1), s.stride(0), POW2=pow2, HAS_NUM_ROWS=num_rows is not None, SOFT_ROUND=not cuda,
-               BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ONE_PASS=C <= BLOCK_C,
-               num_warps=8 if cuda and BLOCK_R * BLOCK_C >= 8192 else 4)
+        launch(_quant_rows_kernel, (triton.cdiv(R, BLOCK_R), B), x3, t3, q, s, nr, R, C, Ct, *x3.stride(),
+               *t3.stride(), q.stride(0), q.stride(1), s.stride(0), POW2=pow2, HAS_NUM_ROWS=num_rows is not None,
+               SOFT_ROUND=not cuda, HAS_TAIL=tail is not None, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+               ONE_PASS=tail is None and C <= BLOCK_C, num_warps=8 if cuda and BLOCK_R * BLOCK_C >= 8192 else 4)
     return q_out, s_out
 
 
@@ -151,24 +178,31 @@ def row_scales_reference(x: torch.Tensor, pow2: bool = True) -> torch.Tensor:
 
 
 def quantize_rows_reference(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True,
-                            out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract; every row is quantized (rows >= num_rows may hold anything)."""
+    shape = _row_shape(x, tail)
+    if tail is not None:
+        x = torch.cat([x, tail], dim=-1)
     s = row_scales_reference(x, pow2)
     q = (x.float() * s.reciprocal()[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # the cast: nearest, ties even
     if out is None:
         return q.contiguous(), s
-    q_out, s_out = _outputs(x, out)
+    q_out, s_out = _outputs(shape, x.device, out)
     q_out.copy_(q)
     s_out.copy_(s)
     return q_out, s_out
 
 
 def quantize_rows(x: torch.Tensor, num_rows: torch.Tensor | None = None, pow2: bool = True, impl: str = "triton",
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise e4m3 quantization of a [R, C] or [B, R, C] tensor (any strides) -> (q, s fp32): q contiguous, or
-    written into out=(q, s), views with a unit last-dim stride (say, one half of a larger operand)."""
+    written into out=(q, s), views with a unit last-dim stride (say, one half of a larger operand). `tail`: a second
+    tensor continuing x's rows ([.., R, Ct], any strides): the rows of cat([x, tail], -1) are quantized, one scale
+    each, without the concatenation being made."""
     fn = quantize_rows_triton if impl == "triton" else quantize_rows_reference
-    return fn(x, num_rows, pow2, out)
+    return fn(x, num_rows, pow2, out, tail)
 
 
 def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ is quantized in two orientations (E local experts, F expert hidden, D model dim)
   forward   x_ND @ [w_gate; w_up]^T   gate_up()  b operand [E, D, 2F], scales [E, 2F]: one GEMM for both projections
             h_NF @ w_down^T           down()     b operand [E, F, D], scales [E, D]
   backward  dy_ND @ w_down            down_t()   b operand [E, D, F], scales [E, F]
-            dg_NF @ w_gate            gate_t()   b operand [E, F, D], scales [E, D]   (and up_t() for du_NF @ w_up)
+            [dg du]_N2F @ [w_gate; w_up]  gate_up_t()  b operand [E, 2F, D], scales [E, D] over both: one GEMM for
+                                                        the input gradient of both projections
 The quantization reads the weights in whatever dtype they are stored (fp32 masters need no bf16 copy first).
 
 Reuse: `with reuse_weights(keep):` opens a scope in which an operand named in `keep`, once quantized, is handed to
@@ -32,7 +33,7 @@ Operand = tuple[torch.Tensor, torch.Tensor]  # (q_EKM e4m3 column-major, s_EM fp
 
 
 FORWARD = ("gate_up", "down")
-BACKWARD = ("down_t", "gate_t", "up_t")
+BACKWARD = ("down_t", "gate_up_t")
 
 
 def operands_to_reuse(passes: int, forward_recomputed: bool) -> tuple[str, ...]:
@@ -121,8 +122,8 @@ class ExpertOperands:
     def down_t(self) -> Operand:
         return _cached("down_t", (self.w_down_EDF,), lambda: _channels(self.w_down_EDF.transpose(1, 2)))
 
-    def gate_t(self) -> Operand:
-        return _cached("gate_t", (self.w_gate_EFD,), lambda: _channels(self.w_gate_EFD.transpose(1, 2)))
-
-    def up_t(self) -> Operand:
-        return _cached("up_t", (self.w_up_EFD,), lambda: _channels(self.w_up_EFD.transpose(1, 2)))
+    def gate_up_t(self) -> Operand:
+        def build() -> Operand:  # channel d of [w_gate; w_up] runs over both weights' F rows: one scale for both
+            q_ED2F, s_ED = fp8.quantize_rows(self.w_gate_EFD.transpose(1, 2), tail=self.w_up_EFD.transpose(1, 2))
+            return q_ED2F.transpose(1, 2), s_ED
+        return _cached("gate_up_t", (self.w_gate_EFD, self.w_up_EFD), build)

@@ -15,18 +15,18 @@ Backward: reduction bwd (dy_ND, dw_TK) -> dh = dy_ND @ w_down -> SwiGLU bwd (dg,
 grouped_mm_wgrad -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one reduction pass (no atomics).
 Rows >= R of every buffer are unspecified and never read. No host sync anywhere on this path.
 
-precision="fp8" (kernels/fp8.py): the forward GEMMs (gate, up, down) and the activation-gradient GEMMs (dh, dx gate,
-dx up) run as e4m3 x e4m3 torch._scaled_grouped_mm with fp32 accumulation and bf16 output; activations scaled per
-row, weights per output channel (kernels/fp8_weights.py: gate and up quantized into one operand, so the forward runs
-one GEMM for both; quantized in every call, or once per kernels.fp8_weights.reuse_weights() scope; master weights and
-optimizer untouched).
-Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are quantized
-(T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is
-w[t,k] times the token's scale. h and dg, du are quantized after the SwiGLU kernels. The three weight-gradient GEMMs
-stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
-(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
-would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's (g and u
-as the two halves of the gate-up GEMM's output); outputs come back in bf16, gradients in their inputs' dtypes.
+precision="fp8" (kernels/fp8.py): the forward GEMMs (gate and up as one, down) and the activation-gradient GEMMs
+(dh; dx as one GEMM over [dg du] with K = 2F) run as e4m3 x e4m3 torch._scaled_grouped_mm with fp32 accumulation
+and bf16 output. Activations are scaled per row, weights per output channel; the weights' operands come from
+kernels/fp8_weights.py, quantized in every call or once per reuse_weights() scope (master weights and optimizer
+untouched). Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are
+quantized (T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their
+scale is w[t,k] times the token's scale. h and the rows of [dg du] (one scale per row over both) are quantized after
+the SwiGLU kernels. The three weight-gradient GEMMs stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens,
+which needs every expert's row group 16-aligned (padding the plan) and each of dy, h, dg, du, x quantized again per
+expert column, a cost about equal to what FP8 would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything
+saved for backward is the bf16 path's (g and u as the two halves of the gate-up GEMM's output); outputs come back in
+bf16, gradients in their inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -90,13 +90,13 @@ class _FastExperts(torch.autograd.Function):
         dw_up = grouped_mm_wgrad(du_NF, x_ND, plan, impl) if need[3] else None
         dx_TD = None
         if need[0]:
-            if fp8_mm is not None:
-                dxg_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows), ops.gate_t())
-                dxu_ND = fp8_mm(*fp8.quantize_rows(du_NF, plan.num_rows), ops.up_t())
+            if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
+                dx_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows, tail=du_NF), ops.gate_up_t())
+                dx_TD = combine(dx_ND, plan.pair_row_TK, None, out_dtype=ctx.x_dtype)
             else:
                 dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
                 dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
-            dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
+                dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
         if ops is not None:  # fp8 takes the weights in their own dtype; the weight-gradient GEMMs run in bf16
             dw_gate, dw_up, dw_down = (None if d is None else d.to(w.dtype) for d, w in
                                        ((dw_gate, ops.w_gate_EFD), (dw_up, ops.w_up_EFD), (dw_down, ops.w_down_EDF)))

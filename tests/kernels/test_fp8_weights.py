@@ -44,6 +44,23 @@ def test_quantize_rows_refuses_an_out_that_does_not_fit():
             fp8.quantize_rows(x, out=(q, s))
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_tail_quantizes_the_concatenated_rows_without_concatenating(impl, strided):
+    gen = torch.Generator().manual_seed(5)
+    x, t = (torch.randn(2, 30, c, generator=gen) * torch.logspace(-4, 2, 30)[:, None] for c in (24, 40))
+    t[:, 3] *= 1e4  # rows whose amax sits in the tail
+    x, t = x.bfloat16(), t.bfloat16()
+    if strided:  # channels of weights: rows strided, as the input-gradient operand reads them
+        x, t = x.transpose(1, 2).contiguous().transpose(1, 2), t.transpose(1, 2).contiguous().transpose(1, 2)
+    num_rows = torch.tensor(30, dtype=torch.int32)
+    q, s = fp8.quantize_rows(x, num_rows, impl=impl, tail=t)
+    q_want, s_want = fp8.quantize_rows_reference(torch.cat([x, t], -1))
+    assert q.shape == (2, 30, 64) and torch.equal(_bits(q), _bits(q_want)) and torch.equal(s, s_want)
+    with pytest.raises(ValueError, match="tail"):
+        fp8.quantize_rows(x, impl=impl, tail=t[:, :29])
+
+
 def test_gate_up_operand_is_both_projections_side_by_side():
     gen = torch.Generator().manual_seed(1)
     w_gate, w_up = (torch.randn(4, 24, 32, generator=gen) * s for s in (1.0, 1e-3))
@@ -52,6 +69,14 @@ def test_gate_up_operand_is_both_projections_side_by_side():
     for half, w in ((slice(0, 24), w_gate), (slice(24, 48), w_up)):
         q_want, s_want = fp8.quantize_operand(w.transpose(1, 2))
         assert torch.equal(_bits(q[:, :, half]), _bits(q_want)) and torch.equal(s[:, half], s_want)
+
+
+def test_input_gradient_operand_scales_each_channel_over_both_projections():
+    gen = torch.Generator().manual_seed(6)
+    w_gate, w_up = torch.randn(4, 24, 32, generator=gen), torch.randn(4, 24, 32, generator=gen) * 1e3
+    q, s = ExpertOperands(w_gate, w_up, torch.randn(4, 32, 24)).gate_up_t()
+    q_want, s_want = fp8.quantize_operand(torch.cat([w_gate, w_up], dim=1))  # b operand [E, 2F, D]
+    assert q.shape == (4, 48, 32) and torch.equal(_bits(q), _bits(q_want)) and torch.equal(s, s_want)
 
 
 def test_operands_to_reuse():
@@ -86,7 +111,7 @@ def test_reuse_within_a_scope_gives_the_same_bits_and_quantizes_each_weight_once
         w.grad = None
     with reuse_weights() as scope:
         reused = [_pass(idx, x, w_TK, ws, dy) for _ in range(3)]
-    assert (scope.misses, scope.hits) == (5, 10)  # gate_up, down, down_t, gate_t, up_t: once, then twice reused
+    assert (scope.misses, scope.hits) == (4, 8)  # gate_up, down, down_t, gate_up_t: once, then twice reused
     assert not scope.entries  # released with the scope
     for (y0, dx0), (y1, dx1) in zip(fresh, reused):
         assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
@@ -99,9 +124,9 @@ def test_an_in_place_update_inside_a_scope_is_quantized_again():
     with reuse_weights() as scope:
         _pass(idx, x, w_TK, ws, dy)
         with torch.no_grad():
-            ws[1].mul_(-2.0)  # w_up: gate_up and up_t are stale, the rest stays valid
+            ws[1].mul_(-2.0)  # w_up: gate_up and gate_up_t are stale, down and down_t stay valid
         y_scoped, dx_scoped = _pass(idx, x, w_TK, ws, dy)
-    assert (scope.misses, scope.hits) == (5 + 2, 3)
+    assert (scope.misses, scope.hits) == (4 + 2, 2)
     y_fresh, dx_fresh = _pass(idx, x, w_TK, ws, dy)
     assert torch.equal(y_scoped, y_fresh) and torch.equal(dx_scoped, dx_fresh)
 
