@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The MoE expert layer at common shapes, in one device call (1×H200; log + JSON under $OUT):
 # benchmarks/moe_shapes.py runs OLMoE-1B-7B, a Mixtral-like coarse layer, 128 and 256 fine-grained experts, skewed
-# routing and small token counts, each with ours bf16, ours FP8 and the naive bf16 pipeline (checked against it, then
-# timed fwd+bwd). Prints the per-shape checks and failures, then the table.
-# MOE_SHAPES_S: the benchmark's time limit (seconds).
+# routing and small token counts, each with ours bf16, ours FP8 (weights quantized per call, and reused) and the
+# naive bf16 pipeline (checked against it, then timed fwd+bwd). Prints the per-shape checks and failures, then the
+# table.
+# MOE_SHAPES_S: the benchmark's time limit (seconds); MOE_SHAPES_ONLY: comma-separated name parts of the shapes to
+# run (all when unset), e.g. "OLMoE-1B-7B,T 1024".
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
       torch.cuda.get_device_capability())' | tee "$OUT/versions.txt"
-run moe_shapes "${MOE_SHAPES_S:-300}" python3 benchmarks/moe_shapes.py --out "$OUT"
+run moe_shapes "${MOE_SHAPES_S:-300}" python3 benchmarks/moe_shapes.py --out "$OUT" --only "${MOE_SHAPES_ONLY:-}"
 log="$OUT/moe_shapes.log"
 grep -E "check |ERROR|failed|Error|^dense bf16|load \{|\([0-9.]+ s\)" "$log" | cut -c1-400
 sed -n '/^dense rates measured/,$p' "$log"
