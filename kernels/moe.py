@@ -21,12 +21,12 @@ and bf16 output. Activations are scaled per row, weights per output channel; the
 kernels/fp8_weights.py, quantized in every call or once per reuse_weights() scope (master weights and optimizer
 untouched). Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are
 quantized (T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their
-scale is w[t,k] times the token's scale. h and the rows of [dg du] (one scale per row over both) are quantized after
-the SwiGLU kernels. The three weight-gradient GEMMs stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens,
-which needs every expert's row group 16-aligned (padding the plan) and each of dy, h, dg, du, x quantized again per
-expert column, a cost about equal to what FP8 would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything
-saved for backward is the bf16 path's (g and u as the two halves of the gate-up GEMM's output); outputs come back in
-bf16, gradients in their inputs' dtypes.
+scale is w[t,k] times the token's scale. h and the rows of [dg du] (one scale per row over both) are quantized by
+the SwiGLU kernels themselves (kernels/swiglu.py; h is then never written in bf16). The three weight-gradient GEMMs
+stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
+(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
+would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's (g and u
+as the two halves of the gate-up GEMM's output); outputs come back in bf16, gradients in their inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
 from moe_launch.kernels.reduce import combine, combine_bwd
-from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
+from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_bwd_fp8, swiglu_fwd, swiglu_fwd_fp8
 
 PRECISIONS = ("bf16", "fp8")
 
@@ -57,8 +57,7 @@ class _FastExperts(torch.autograd.Function):
             Fh = w_gate_EFD.shape[1]
             gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
             g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
-            h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
-            y_ND = mm(*fp8.quantize_rows(h_NF, plan.num_rows), ops.down())
+            y_ND = mm(*swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows), ops.down())  # h itself is never written
         else:
             g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
             u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
@@ -83,15 +82,18 @@ class _FastExperts(torch.autograd.Function):
         else:
             w_gate_EFD, w_up_EFD, w_down_EDF = weights
             dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
-        dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
         need = ctx.needs_input_grad
+        if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
+            dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
+        else:
+            dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
         dw_down = grouped_mm_wgrad(dy_ND, h_NF, plan, impl) if need[4] else None
         dw_gate = grouped_mm_wgrad(dg_NF, x_ND, plan, impl) if need[2] else None
         dw_up = grouped_mm_wgrad(du_NF, x_ND, plan, impl) if need[3] else None
         dx_TD = None
         if need[0]:
             if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
-                dx_ND = fp8_mm(*fp8.quantize_rows(dg_NF, plan.num_rows, tail=du_NF), ops.gate_up_t())
+                dx_ND = fp8_mm(dguq_N2F, dgus_N, ops.gate_up_t())
                 dx_TD = combine(dx_ND, plan.pair_row_TK, None, out_dtype=ctx.x_dtype)
             else:
                 dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)

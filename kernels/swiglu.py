@@ -2,6 +2,9 @@
 
 Shapes: N row capacity, F expert hidden dim, R = plan.num_rows valid rows (device scalar; rows >= R are skipped).
 The backward also re-creates h (needed for the down projection's weight gradient) so h need not be saved.
+FP8 experts (kernels/moe.py): swiglu_fwd_fp8 hands the down GEMM h's e4m3 rows without writing h, swiglu_bwd_fp8
+adds the e4m3 rows of [dg du] for the input-gradient GEMM; both quantize inside the kernel when a row fits one tile
+(F <= 1024) and equal kernels.fp8.quantize_rows bit for bit.
 Math in fp32: silu(g) = g*s, s = sigmoid(g); d silu/dg = s * (1 + g * (1 - s)).
 """
 
@@ -13,47 +16,78 @@ import triton
 import triton.language as tl
 
 from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels.fp8 import E4M3, _encode, _scales, quantize_rows
+
+
+@triton.jit
+def _quantize_rows_into(v, dtype, q_ptrs, mask, SOFT_ROUND: tl.constexpr):
+    """FP8 rows of a tile holding whole rows: v rounded to the stored dtype first (the values kernels.fp8 would read
+    back), scaled by the row's amax; writes the codes, returns the row scales."""
+    v = v.to(dtype).to(tl.float32)
+    s, inv_s = _scales(tl.max(tl.abs(v), axis=1), True)
+    tl.store(q_ptrs, _encode(v, inv_s, q_ptrs.dtype.element_ty, SOFT_ROUND), mask=mask)
+    return s
 
 
 @triton.jit
 def _swiglu_fwd_kernel(
     g_ptr, u_ptr, h_ptr, num_rows_ptr,
-    Fdim, stride_g, stride_u, stride_h,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    q_ptr, s_ptr,  # QUANT: h as e4m3 rows [N, F] and their scales [N] instead of h itself
+    Fdim, stride_g, stride_u, stride_h, stride_q,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, SOFT_ROUND: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < tl.load(num_rows_ptr))[:, None] & (cols < Fdim)[None, :]
+    row_ok = rows < tl.load(num_rows_ptr)
+    mask = row_ok[:, None] & (cols < Fdim)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u
-    tl.store(h_ptr + r64 * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # the whole row is in this tile (one column block)
+        s = _quantize_rows_into(h, g_ptr.dtype.element_ty, q_ptr + r64 * stride_q + cols[None, :], mask, SOFT_ROUND)
+        tl.store(s_ptr + rows, s, mask=row_ok)
+    else:
+        tl.store(h_ptr + r64 * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_bwd_kernel(
     g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, num_rows_ptr,
-    Fdim, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    q_ptr, s_ptr,  # QUANT: also [dg du] as e4m3 rows [N, 2F] (one scale per row over both) and the scales [N]
+    Fdim, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h, stride_q,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, SOFT_ROUND: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask = (rows < tl.load(num_rows_ptr))[:, None] & (cols < Fdim)[None, :]
+    row_ok = rows < tl.load(num_rows_ptr)
+    mask = row_ok[:, None] & (cols < Fdim)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dh = tl.load(dh_ptr + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     silu = g * s
-    tl.store(dg_ptr + r64 * stride_dg + cols[None, :], (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(du_ptr + r64 * stride_du + cols[None, :], (dh * silu).to(du_ptr.dtype.element_ty), mask=mask)
+    dg = dh * u * s * (1.0 + g * (1.0 - s))
+    du = dh * silu
+    tl.store(dg_ptr + r64 * stride_dg + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
+    tl.store(du_ptr + r64 * stride_du + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
     tl.store(h_ptr + r64 * stride_h + cols[None, :], (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # the whole row is in this tile (one column block): amax over dg and du together
+        dgr = dg.to(dg_ptr.dtype.element_ty).to(tl.float32)
+        dur = du.to(du_ptr.dtype.element_ty).to(tl.float32)
+        sc, inv_s = _scales(tl.maximum(tl.max(tl.abs(dgr), axis=1), tl.max(tl.abs(dur), axis=1)), True)
+        q_row = q_ptr + r64 * stride_q + cols[None, :]
+        tl.store(q_row, _encode(dgr, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+        tl.store(q_row + Fdim, _encode(dur, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+        tl.store(s_ptr + rows, sc, mask=row_ok)
+
+
+_MAX_BLOCK_F = 1024
 
 
 def _blocks(N: int, Fdim: int, cuda: bool) -> tuple[int, int, tuple[int, int]]:
-    BLOCK_F = min(next_pow2(Fdim), 1024)
+    BLOCK_F = min(next_pow2(Fdim), _MAX_BLOCK_F)
     BLOCK_R = max(1, (4096 if cuda else 65536) // BLOCK_F)
     return BLOCK_R, BLOCK_F, (max(1, triton.cdiv(N, BLOCK_R)), triton.cdiv(Fdim, BLOCK_F))
 
@@ -67,21 +101,53 @@ def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Te
     N, Fdim = g_NF.shape
     h_NF = torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, Fdim, g_NF.stride(0), u_NF.stride(0),
-           h_NF.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F)
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, Fdim, g_NF.stride(0), u_NF.stride(0),
+           h_NF.stride(0), 0, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=False, SOFT_ROUND=False)
     return h_NF
 
 
-def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows):
-    """-> (dg_NF, du_NF, h_NF); rows >= R unspecified."""
+def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False):
+    """-> (dg_NF, du_NF, h_NF), and with quant (the whole row in one tile, see fuses_fp8) the e4m3 rows of
+    [dg du] and their scales; rows >= R unspecified."""
     g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
     dg_NF, du_NF, h_NF = (torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device) for _ in range(3))
+    q_N2F = torch.empty(N, 2 * Fdim, dtype=E4M3, device=g_NF.device) if quant else h_NF
+    s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device) if quant else h_NF
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    launch(_swiglu_bwd_kernel, grid, g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, Fdim,
+    launch(_swiglu_bwd_kernel, grid, g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, Fdim,
            g_NF.stride(0), u_NF.stride(0), dh_NF.stride(0), dg_NF.stride(0), du_NF.stride(0), h_NF.stride(0),
-           BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F)
-    return dg_NF, du_NF, h_NF
+           q_N2F.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant, SOFT_ROUND=not g_NF.is_cuda)
+    return (dg_NF, du_NF, h_NF, q_N2F, s_N) if quant else (dg_NF, du_NF, h_NF)
+
+
+def fuses_fp8(Fdim: int) -> bool:
+    """The FP8 variants quantize inside the SwiGLU kernels when a row fits one tile (one column block)."""
+    return Fdim <= _MAX_BLOCK_F
+
+
+def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor):
+    """-> (hq_NF e4m3, hs_N fp32): h quantized per row as kernels.fp8.quantize_rows(h) would, bit for bit, without
+    writing h itself where the row fits one tile; else swiglu_fwd then quantize_rows."""
+    N, Fdim = g_NF.shape
+    if not fuses_fp8(Fdim):
+        return quantize_rows(swiglu_fwd(g_NF, u_NF, num_rows), num_rows)
+    g_NF, u_NF = _unit_stride(g_NF, u_NF)
+    q_NF = torch.empty(N, Fdim, dtype=E4M3, device=g_NF.device)
+    s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device)
+    BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, Fdim, g_NF.stride(0), u_NF.stride(0),
+           0, q_NF.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=True, SOFT_ROUND=not g_NF.is_cuda)
+    return q_NF, s_N
+
+
+def swiglu_bwd_fp8(g_NF, u_NF, dh_NF, num_rows):
+    """-> (dg_NF, du_NF, h_NF, q_N2F, s_N): swiglu_bwd plus the e4m3 rows of [dg du] (one scale per row over both),
+    as kernels.fp8.quantize_rows(dg, tail=du) would, bit for bit: in the same kernel where the row fits one tile."""
+    if fuses_fp8(g_NF.shape[1]):
+        return swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant=True)
+    dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, num_rows)
+    return (dg_NF, du_NF, h_NF, *quantize_rows(dg_NF, num_rows, tail=du_NF))
 
 
 def swiglu_fwd_reference(g_NF, u_NF, num_rows):

@@ -12,7 +12,7 @@ import torch
 from kernel_helpers import random_idx
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
-from moe_launch.kernels import fp8
+from moe_launch.kernels import fp8, swiglu
 from moe_launch.kernels.fp8_weights import BACKWARD, FORWARD, ExpertOperands, operands_to_reuse, reuse_weights
 from moe_launch.kernels.moe import fast_experts
 from moe_launch.trainer.moe.layer import expert_weight_scope
@@ -155,3 +155,24 @@ def test_the_trainer_opens_a_reuse_scope_only_where_a_step_quantizes_a_weight_tw
     for passes, recompute, keep in ((1, ["moe"], FORWARD), (1, ["full"], FORWARD), (2, [], FORWARD + BACKWARD)):
         with expert_weight_scope(fp8_moe, passes, recompute)() as scope:
             assert scope.keep == keep
+
+
+@pytest.mark.parametrize("Fh", [96, 1024, 1100])  # 1100: wider than one tile, quantized after the SwiGLU kernel
+def test_swiglu_fp8_variants_equal_swiglu_then_quantize_rows(Fh):
+    gen = torch.Generator().manual_seed(7)
+    N, R = 40, 33
+    gu = (torch.randn(N, 2 * Fh, generator=gen) * torch.logspace(-3, 1, N)[:, None]).bfloat16()
+    g, u = gu[:, :Fh], gu[:, Fh:]  # the halves of the gate-up GEMM's output, as the layer passes them
+    dh = (torch.randn(N, Fh, generator=gen) * torch.logspace(2, -2, N)[:, None]).bfloat16()
+    num_rows = torch.tensor(R, dtype=torch.int32)
+    assert swiglu.fuses_fp8(Fh) == (Fh <= 1024)
+
+    hq, hs = swiglu.swiglu_fwd_fp8(g, u, num_rows)
+    hq_want, hs_want = fp8.quantize_rows(swiglu.swiglu_fwd(g, u, num_rows), num_rows)
+    assert torch.equal(_bits(hq[:R]), _bits(hq_want[:R])) and torch.equal(hs[:R], hs_want[:R])
+
+    *grads, q, s = swiglu.swiglu_bwd_fp8(g, u, dh, num_rows)
+    for got, want in zip(grads, swiglu.swiglu_bwd(g, u, dh, num_rows)):
+        assert torch.equal(got[:R], want[:R])
+    q_want, s_want = fp8.quantize_rows(grads[0], num_rows, tail=grads[1])
+    assert q.shape == (N, 2 * Fh) and torch.equal(_bits(q[:R]), _bits(q_want[:R])) and torch.equal(s[:R], s_want[:R])
