@@ -1,0 +1,50 @@
+"""Compile the FP8 path's Triton kernels for sm90 (Hopper) on a machine without a GPU: Triton's own front end and
+ptxas, with every constexpr variant the layer launches. Run by test_sm90_compile.py in a fresh interpreter, since
+a process that imported moe_launch.kernels without a GPU has Triton in interpreter mode. Prints one line per kernel
+variant; exits non-zero on the first failure."""
+
+from __future__ import annotations
+
+import triton  # first, before moe_launch.kernels: compiled mode
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_launch.kernels import fp8, swiglu
+
+SM90 = GPUTarget("cuda", 90, 32)
+I32, I64, C = "i32", "i64", "constexpr"
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object]) -> None:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90)
+    assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+    print(f"ok {fn.__name__} {constexprs}")
+
+
+def main() -> None:
+    swiglu_fwd = {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16", "num_rows_ptr": "*i32", "q_ptr": "*fp8e4nv",
+                  "s_ptr": "*fp32", "Fdim": I32, "stride_g": I32, "stride_u": I32, "stride_h": I32, "stride_q": I32,
+                  "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "SOFT_ROUND": C}
+    swiglu_bwd = {"g_ptr": "*bf16", "u_ptr": "*bf16", "dh_ptr": "*bf16", "dg_ptr": "*bf16", "du_ptr": "*bf16",
+                  "h_ptr": "*bf16", "num_rows_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "Fdim": I32,
+                  **{f"stride_{n}": I32 for n in ("g", "u", "dh", "dg", "du", "h", "q")},
+                  "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "SOFT_ROUND": C}
+    for quant in (False, True):
+        meta = {"BLOCK_R": 4, "BLOCK_F": 1024, "QUANT": quant, "SOFT_ROUND": False}
+        compile_sm90(swiglu._swiglu_fwd_kernel, swiglu_fwd, meta)
+        compile_sm90(swiglu._swiglu_bwd_kernel, swiglu_bwd, meta)
+    quant_rows = {"x_ptr": "*bf16", "t_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "num_rows_ptr": "*i32",
+                  "R": I32, "C": I32, "Ct": I32, **{f"s_{n}": I64 for n in ("xb", "xr", "xc", "tb", "tr", "tc", "qb",
+                                                                           "qr", "sb")},
+                  "POW2": C, "HAS_NUM_ROWS": C, "SOFT_ROUND": C, "HAS_TAIL": C, "BLOCK_R": C, "BLOCK_C": C,
+                  "ONE_PASS": C}
+    # rows in one read; rows in two passes with a tail ([dg du]); weight channels (strided tiles), with a tail too
+    for tail, one_pass, block_r, block_c in ((False, True, 8, 1024), (True, False, 8, 1024), (False, False, 64, 64),
+                                             (True, False, 64, 64)):
+        compile_sm90(fp8._quant_rows_kernel, quant_rows, {"POW2": True, "HAS_NUM_ROWS": tail, "SOFT_ROUND": False,
+                                                          "HAS_TAIL": tail, "BLOCK_R": block_r, "BLOCK_C": block_c,
+                                                          "ONE_PASS": one_pass})
+
+
+if __name__ == "__main__":
+    main()
