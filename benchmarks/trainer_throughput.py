@@ -109,6 +109,11 @@ def main() -> None:
                  ("olmoe-16L-rc-moe", base, 2, 1, 4096, True, ("moe",)),
                  ("olmoe-16L-4x-rc-moe", base, 4, 1, 4096, True, ("moe",)),
                  ("olmoe-16L-4x-rc-full", base, 4, 1, 4096, True, ("full",)),
+                 # two micro-batches per step, and recomputed experts: FP8 quantizes each weight once per step there
+                 # (model.moe.fp8_weight_reuse), against bf16 on the same batches
+                 ("olmoe-16L-2mb", base, 2, 2, 4096, True, ()),
+                 ("olmoe-16L-fp8-2mb", fp8, 2, 2, 4096, True, ()),
+                 ("olmoe-16L-fp8-rc-moe", fp8, 2, 1, 4096, True, ("moe",)),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
