@@ -20,6 +20,7 @@ COMPLETED steps (`done` = step + 1). The process group must exist before a Train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import signal
@@ -218,7 +219,7 @@ class Trainer(Restore, Checkpointing):
                   f"pp={self.groups.pp_size}), "
                   f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
                   f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, compute {self.dtype}, "
-                     f"parameters {self.param_dtype}")
+                     f"parameters {self.param_dtype}{self._expert_precision()}")
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tracking, t.progress, config=asdict(self.cfg))
         code: Optional[int] = None
         self.heartbeat = HeartbeatWriter(self.run_dir, self.rank, self.host)
@@ -241,6 +242,12 @@ class Trainer(Restore, Checkpointing):
                 sink.close()
             for sig, handler in previous.items():  # an embedding process (tests, notebooks) gets its handlers back
                 signal.signal(sig, handler)
+
+    def _expert_precision(self) -> str:
+        if self.cfg.model.kind != "moe" or self.cfg.model.moe.precision != "fp8":
+            return ""
+        reuse = self.weight_scope is not contextlib.nullcontext
+        return ", FP8 experts" + (" (each weight quantized once per step)" if reuse else "")
 
     def _forward_backward(self, step: int, done: int) -> tuple[torch.Tensor, list]:
         """Returns this rank's loss parts P = [loss, lm, aux, z] (means over micro-batches) and per-layer stats."""
