@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -19,17 +20,23 @@ from e2e_util import (
     wait_for,
 )
 
+from moe_launch.rundir import read_jsonl
+
 
 def test_local_node_killed_is_swapped_and_run_completes(tmp_path):
-    proc, rd = start(tmp_path, "lkill", "health.preflight=false", "train.steps=8", *FAST)
-    wait_for(lambda: metrics_step(rd) >= 4, 300, "step 4")
+    # slow steps, and the kill only once a checkpoint is durable: the resume must come from it (a kill while the
+    # first one still persists rightly restarts from scratch, and tests nothing)
+    proc, rd = start(tmp_path, "lkill", "health.preflight=false", "train.steps=8", "train.step_sleep_s=0.3", *FAST)
+    wait_for(lambda: metrics_step(rd) >= 4 and newest_checkpoint_step(read_jsonl(rd / "journal.jsonl"), math.inf),
+             300, "step 4 and a checkpoint")
     t_kill = kill_ranks_on(rd, "local2")
     code, summary, journal = finish(proc, tmp_path, "lkill", 400)
     assert code == 0 and summary["status"] == "completed" and summary["steps_done"] == 8
     assert summary["excluded_nodes"] == ["local2"] and summary["swapped_nodes"] == [{"out": "local2", "in": "local3"}]
     seen = first(journal, "failure", t_kill)
     assert "local2" in seen["nodes"]
-    assert trainer_resume(journal, seen["time"])["details"]["step"] == newest_checkpoint_step(journal, seen["time"])
+    resumed_at = trainer_resume(journal, seen["time"])
+    assert resumed_at["details"]["step"] == newest_checkpoint_step(journal, resumed_at["time"])
     resumed = supervisor_resume(journal, t_kill)
     print(f"\n[local, local2 killed] detected after {seen['time'] - t_kill:.1f} s; training resumed "
           f"{resumed['time'] - t_kill:.1f} s after the kill")
