@@ -12,11 +12,12 @@ The quantization reads the weights in whatever dtype they are stored (fp32 maste
 Reuse: `with reuse_weights(keep):` opens a scope in which an operand named in `keep`, once quantized, is handed to
 every later call on the same weight: the trainer opens one around a step's forward and backward passes, where the
 weights cannot change, so further micro-batches and recomputed forwards skip the quantization (operands_to_reuse
-picks what a step would quantize more than once). An entry is used only while its
-weight's autograd version counter and storage are the ones it was built from (an in-place update through torch ops
-re-quantizes); an update that bypasses the version counter (a Triton kernel, `.data`) must happen outside any scope,
-as the optimizer's does. The scope holds the e4m3 copies, as many bytes as the bf16 weights, until it closes.
-Outside a scope every call quantizes afresh and nothing is kept.
+picks what a step would quantize more than once). An entry is used only while its weight's autograd version counter
+and storage are the ones it was built from (an in-place update through torch ops re-quantizes); an update that
+bypasses the version counter (a Triton kernel, `.data`) must happen outside any scope, as the optimizer's does. The
+scope holds the e4m3 copies, as many bytes as the bf16 weights, until it closes. Outside a scope every call
+quantizes afresh and nothing is kept. The open scopes are process-wide, not per thread: autograd runs a CUDA
+backward on its own thread, which must see the scope the forward saw.
 """
 
 from __future__ import annotations
