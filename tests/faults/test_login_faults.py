@@ -18,6 +18,7 @@ from harness import (
     assert_nothing_lost,
     assert_reference_untouched,
     check_outcome,
+    final_slot,
     finish,
     journal,
     launches,
@@ -31,7 +32,7 @@ from harness import (
 )
 
 from moe_launch.rundir import read_jsonl
-from moe_launch.trainer.checkpoint.store import verify
+from moe_launch.trainer.checkpoint.store import read_manifest
 
 pytestmark = pytest.mark.slurm
 
@@ -103,9 +104,9 @@ def test_fault13_buffers_exhausted_stop_then_resume_with_more_nodes(reference, t
     stop = next(r for r in records if r["kind"] == "stop" and r["time"] >= fault["time"])
     assert fault["nodes"][0] in stop["details"]["reason"]
     assert summary["restarts"] == 0 and summary["swapped_nodes"] == []
-    # nothing lost: the newest checkpoint before the fault verifies and holds step 3
-    assert newest_ckpt_before(records, fault["time"]) == 3
-    assert any(verify(rd / "checkpoints" / s)[0] for s in ("ckpt-a", "ckpt-b"))
+    # nothing lost: the newest checkpoint that verifies on disk holds step 3, the last before the fault (its journal
+    # record can land after the fault's: the persist of step 3 may still be in flight when step 5 faults)
+    assert read_manifest(final_slot(rd))["step"] == 3
     kept = {p.relative_to(rd): p.read_bytes() for p in (rd / "logs").rglob("*") if p.is_file()}
 
     # later: the same run, started again with one buffer node more, resumes from step 3 and finishes
