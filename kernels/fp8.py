@@ -209,10 +209,13 @@ def dequantize_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s[..., None]
 
 
-def quantize_operand(b_EKM: torch.Tensor, impl: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_operand(b_EKM: torch.Tensor, impl: str = "triton",
+                     tail: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The b operand of a grouped GEMM (any strided view of an expert weight) -> (q_EKM, s_EM): one scale per output
-    channel m, q column-major as torch._scaled_grouped_mm requires."""
-    q_EMK, s_EM = quantize_rows(b_EKM.transpose(1, 2), impl=impl)
+    channel m, q column-major as torch._scaled_grouped_mm requires. `tail` [E, K', M]: a second weight continuing
+    b along K (the operand of cat([b, tail], 1), one scale per channel over both, never concatenated)."""
+    q_EMK, s_EM = quantize_rows(b_EKM.transpose(1, 2), impl=impl,
+                                tail=None if tail is None else tail.transpose(1, 2))
     return q_EMK.transpose(1, 2), s_EM
 
 

@@ -94,12 +94,6 @@ def _cached(name: str, ws: tuple[torch.Tensor, ...], build: Callable[[], Operand
     return op
 
 
-def _channels(w_EMK: torch.Tensor) -> Operand:
-    """Quantize each row (an output channel m over K) of a [E, M, K] view -> the b operand [E, K, M] column-major."""
-    q_EMK, s_EM = fp8.quantize_rows(w_EMK)
-    return q_EMK.transpose(1, 2), s_EM
-
-
 class ExpertOperands:
     """The FP8 operands of one layer call's expert weights, each quantized on first use (inside a reuse scope: at
     most once per scope)."""
@@ -118,13 +112,12 @@ class ExpertOperands:
         return _cached("gate_up", (self.w_gate_EFD, self.w_up_EFD), build)
 
     def down(self) -> Operand:
-        return _cached("down", (self.w_down_EDF,), lambda: _channels(self.w_down_EDF))
+        return _cached("down", (self.w_down_EDF,), lambda: fp8.quantize_operand(self.w_down_EDF.transpose(1, 2)))
 
     def down_t(self) -> Operand:
-        return _cached("down_t", (self.w_down_EDF,), lambda: _channels(self.w_down_EDF.transpose(1, 2)))
+        return _cached("down_t", (self.w_down_EDF,), lambda: fp8.quantize_operand(self.w_down_EDF))
 
     def gate_up_t(self) -> Operand:
-        def build() -> Operand:  # channel d of [w_gate; w_up] runs over both weights' F rows: one scale for both
-            q_ED2F, s_ED = fp8.quantize_rows(self.w_gate_EFD.transpose(1, 2), tail=self.w_up_EFD.transpose(1, 2))
-            return q_ED2F.transpose(1, 2), s_ED
-        return _cached("gate_up_t", (self.w_gate_EFD, self.w_up_EFD), build)
+        # channel d of [w_gate; w_up] runs over both weights' F rows: one scale for both
+        return _cached("gate_up_t", (self.w_gate_EFD, self.w_up_EFD),
+                       lambda: fp8.quantize_operand(self.w_gate_EFD, tail=self.w_up_EFD))
