@@ -147,7 +147,9 @@ def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 1
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)
         if us > 0:
-            rows[ev.key[:90]] = (us / iters / 1e3, ev.count // iters)
+            # names are cut to 90 characters: instantiations of one template add up under their common prefix
+            ms, n = rows.get(ev.key[:90], (0.0, 0))
+            rows[ev.key[:90]] = (ms + us / iters / 1e3, n + ev.count // iters)
     rows = dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
     log(f"  kernels of one {label} fwd+bwd (ms per call, launches): total {sum(v[0] for v in rows.values()):.2f} ms")
     for name, (ms, n) in list(rows.items())[:top]:

@@ -14,7 +14,8 @@ FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd)
 MFU is given against the spec peak of the row's precision and beside the dense rate measured in this run (bf16: an
 8192^3 matmul; FP8: an 8192^3 row-scaled torch._scaled_mm). Speed-ups are over the bf16 naive row of the same shape.
 --profile adds, for our rows, the CUDA time per kernel (torch.profiler) and its sum beside the timed wall time: a
-sum well below the wall time means the device waits for the host's launches.
+sum well below the wall time means the device waits for the host's launches; and for every row the host time to queue
+one call, with the Python functions that take it (cProfile).
 """
 
 from __future__ import annotations
@@ -153,12 +154,40 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
                 row["kernel_ms"] = sum(ms for ms, _ in kernels.values())
                 row["launches"] = sum(n for _, n in kernels.values())
                 log(f"  {name}: kernels {row['kernel_ms']:.3f} ms of {row['ms']:.3f} ms, {row['launches']} launches")
+            if profile and device.type == "cuda":
+                row["host_ms"] = host_breakdown(step, log, label=name)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             log(f"  timing {name} failed: {e!r}"[:1500])
     for p in params:
         p.grad = None
     return res
+
+
+def host_breakdown(step, log, label: str = "", iters: int = 20, top: int = 12) -> float:
+    """Host time of one step (the time to queue it, the device idle at the start), and where it goes: the Python
+    functions with the most own time under cProfile. Host time near the timed wall time means launch-bound."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    host_ms = (time.perf_counter() - t0) / iters * 1e3
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    log(f"  {label} host time per call: {host_ms:.3f} ms; own time per call under cProfile (ms, calls):")
+    for (file, line, fn), (_, ncalls, tottime, _, _) in rows:
+        log(f"    {tottime / iters * 1e3:7.3f} ms  x{ncalls // iters:<4d} {fn} ({os.path.basename(file)}:{line})")
+    return host_ms
 
 
 def table(results: dict, dense: dict) -> list[str]:

@@ -228,10 +228,45 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, ends_E) -> torch.Tensor:
+# torch's sm90 FP8 grouped GEMM picks its CUTLASS tile from the mean rows per group m = rows / groups and the GEMM's
+# K and N: "large" (two of m, K, N >= 2048) gets 128x128x128 tiles, other shapes with m, N > 128 get 128x256x64,
+# which with fp32 promotion (use_fast_accum=False) runs at about half the rate. Handing it more rows (never read:
+# the groups end at offs[-1]) makes a GEMM with K or N >= 2048 "large" (benchmarks/fp8_gemms.py measures both).
+LARGE_TILE_DIM = 2048
+
+
+def rows_to_present(rows: int, groups: int, K: int, M: int) -> int:
+    """How many rows to hand torch._scaled_grouped_mm for an a [rows, K] @ b [groups, K, M] GEMM so that it runs its
+    128x128x128 tiles: `rows` itself where those are chosen anyway or cannot be (the small-shape tiles, or K and M
+    both below LARGE_TILE_DIM), else LARGE_TILE_DIM rows per group. Pure."""
+    m = rows // max(groups, 1)
+    small = m <= 128 or M <= 128
+    large = sum(v >= LARGE_TILE_DIM for v in (m, K, M)) >= 2
+    if small or large or max(K, M) < LARGE_TILE_DIM:
+        return rows
+    return LARGE_TILE_DIM * groups
+
+
+def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with `rows` rows along dim 0: x's own rows first, the rest unspecified (no kernel reads them)."""
+    if x.shape[0] == rows:
+        return x
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    out[:x.shape[0]].copy_(x)
+    return out
+
+
+def scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, ends_E, compact: bool = True) -> torch.Tensor:
+    """`compact`: an output computed over presented rows is copied back to N rows (False: an [N, M] view of the
+    larger buffer, for outputs used once and freed, where the copy would cost more than the memory)."""
+    N, K = aq_NK.shape
+    rows = rows_to_present(N, bq_EKM.shape[0], K, bq_EKM.shape[2])
     # use_fast_accum=False: CUTLASS promotes the tensor cores' partial sums into fp32 accumulators
-    return torch._scaled_grouped_mm(aq_NK, bq_EKM, as_N, bs_EM, offs=ends_E, out_dtype=torch.bfloat16,
-                                    use_fast_accum=False)
+    c = torch._scaled_grouped_mm(_with_rows(aq_NK, rows), bq_EKM, _with_rows(as_N, rows), bs_EM, offs=ends_E,
+                                 out_dtype=torch.bfloat16, use_fast_accum=False)
+    if rows == N:
+        return c
+    return c[:N].clone() if compact else c[:N]
 
 
 def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch.Tensor:
@@ -244,9 +279,10 @@ def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch
     return c_NM.to(torch.bfloat16)
 
 
-def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch") -> torch.Tensor:
+def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch", compact: bool = True) -> torch.Tensor:
     """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16.
-    impl: "torch" (sm90; anything else is refused here rather than silently slow) | "reference"."""
+    impl: "torch" (sm90; anything else is refused here rather than silently slow) | "reference". compact=False lets
+    the result be a view of a larger buffer (see scaled_grouped_mm_torch)."""
     if impl == "reference":
         return scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, plan.offsets_E1)
     if impl != "torch":
@@ -254,4 +290,4 @@ def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch") -> 
     if not fp8_gemm_supported(aq_NK.device):
         raise RuntimeError(f"the FP8 grouped GEMM (torch._scaled_grouped_mm) needs an sm90 GPU; got {aq_NK.device} "
                            "(use precision='bf16', or gemm_impl='reference' for the slow fp32 emulation)")
-    return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E)
+    return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E, compact)

@@ -78,7 +78,7 @@ class _FastExperts(torch.autograd.Function):
         fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
         dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
         if fp8_mm is not None:
-            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), ops.down_t())
+            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), ops.down_t(), saved=False)
         else:
             w_gate_EFD, w_up_EFD, w_down_EDF = weights
             dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
@@ -93,7 +93,7 @@ class _FastExperts(torch.autograd.Function):
         dx_TD = None
         if need[0]:
             if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
-                dx_ND = fp8_mm(dguq_N2F, dgus_N, ops.gate_up_t())
+                dx_ND = fp8_mm(dguq_N2F, dgus_N, ops.gate_up_t(), saved=False)
                 dx_TD = combine(dx_ND, plan.pair_row_TK, None, out_dtype=ctx.x_dtype)
             else:
                 dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
@@ -113,8 +113,9 @@ class _Fp8Gemms:
         self.plan = plan
         self.impl = "reference" if gemm_impl == "reference" else "torch"
 
-    def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b: Operand) -> torch.Tensor:
-        return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, self.impl)
+    def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b: Operand, saved: bool = True) -> torch.Tensor:
+        """saved=False: the result is used once and freed, so it may be a view of a larger buffer."""
+        return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, self.impl, compact=saved)
 
     def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None):
         """Rows r of the expert-sorted buffer hold w[t,k] * v[t] (w_TK None: v[t]): quantize the T tokens once and

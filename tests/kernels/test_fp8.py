@@ -148,6 +148,27 @@ def test_scaled_grouped_mm_reference_is_the_dequantized_product():
         fp8.scaled_grouped_mm(aq, as_, bq, bs, plan, impl="torch")
 
 
+@pytest.mark.parametrize("rows, groups, K, M, want", [
+    (131072, 64, 2048, 2048, 131072),   # OLMoE, 16k tokens: 2048 rows per expert, already the large tiles
+    (65536, 64, 1024, 2048, 131072),    # 8k tokens, the down GEMM: 1024 rows per expert -> presented as 2048
+    (65536, 64, 2048, 1024, 131072),    # 8k tokens, dh
+    (131072, 128, 2048, 1536, 262144),  # 128 experts of F 768, gate+up
+    (131072, 64, 1024, 1024, 131072),   # K and M below 2048: no row count makes it large
+    (8192, 64, 2048, 2048, 8192),       # 128 rows per expert: torch's small-shape tiles, left alone
+    (16384, 8, 4096, 28672, 16384),     # coarse: large already
+])
+def test_rows_to_present_picks_the_large_tiles_where_more_rows_can(rows, groups, K, M, want):
+    got = fp8.rows_to_present(rows, groups, K, M)
+    assert got == want and got >= rows
+
+
+def test_presented_rows_keep_the_operand_and_add_unread_ones():
+    x = torch.randn(10, 4)
+    assert fp8._with_rows(x, 10) is x
+    y = fp8._with_rows(x, 32)
+    assert y.shape == (32, 4) and torch.equal(y[:10], x)
+
+
 def test_gathered_rows_fold_the_routing_weight_into_the_scale():
     gen = _gen()
     T, K, E, D = 60, 3, 6, 32
