@@ -13,13 +13,19 @@ from triton.runtime.jit import JITFunction
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
-    if isinstance(kernel, JITFunction) and any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-        raise RuntimeError(
-            f"Triton kernel {kernel.fn.__name__} got CPU tensors but triton was imported in compiled mode. "
-            "Set TRITON_INTERPRET=1 before anything imports triton (or import moe_launch.kernels first), "
-            "or use model.moe.impl=reference on machines without a GPU."
-        )
-    kernel[grid](*args, **meta)
+    # the arguments are looked at only once a launch has failed: a layer call launches dozens of kernels, and on
+    # small inputs their host time is the layer's time
+    try:
+        kernel[grid](*args, **meta)
+    except Exception as e:
+        if isinstance(kernel, JITFunction) and any(isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                                                   for a in args):
+            raise RuntimeError(
+                f"Triton kernel {kernel.fn.__name__} got CPU tensors but triton was imported in compiled mode. "
+                "Set TRITON_INTERPRET=1 before anything imports triton (or import moe_launch.kernels first), "
+                "or use model.moe.impl=reference on machines without a GPU."
+            ) from e
+        raise
 
 
 def next_pow2(n: int) -> int:

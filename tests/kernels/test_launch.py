@@ -1,0 +1,39 @@
+"""kernels/_launch.launch: a compiled kernel handed CPU tensors fails with the message that says what to do, not
+Triton's own error (run in a subprocess without TRITON_INTERPRET, with triton imported first: compiled mode)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+_SCRIPT = textwrap.dedent("""
+    import triton
+    import triton.language as tl
+    import torch
+    from moe_launch.kernels._launch import launch
+
+    @triton.jit
+    def _fill(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, 1.0, mask=offs < n)
+
+    try:
+        launch(_fill, (1,), torch.zeros(4), 4, BLOCK=8)
+    except RuntimeError as e:
+        print("RAISED", e)
+""")
+
+
+def test_compiled_kernel_on_cpu_tensors_says_how_to_run_on_the_cpu(tmp_path):
+    if torch.cuda.is_available():
+        return  # a GPU host launches compiled kernels on CPU tensors only by mistake; the check is for CPU hosts
+    script = tmp_path / "launch_on_cpu.py"  # @triton.jit needs its function's source file
+    script.write_text(_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "RAISED Triton kernel _fill got CPU tensors" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "TRITON_INTERPRET=1" in proc.stdout
