@@ -114,6 +114,9 @@ def main() -> None:
                  ("olmoe-16L-2mb", base, 2, 2, 4096, True, ()),
                  ("olmoe-16L-fp8-2mb", fp8, 2, 2, 4096, True, ()),
                  ("olmoe-16L-fp8-rc-moe", fp8, 2, 1, 4096, True, ("moe",)),
+                 # four micro-batches per step: the optimizer update and FP8's weight quantization amortized
+                 ("olmoe-16L-4mb", base, 2, 4, 4096, True, ()),
+                 ("olmoe-16L-fp8-4mb", fp8, 2, 4, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
