@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -24,6 +25,9 @@ import triton
 import triton.testing
 
 from moe_launch.kernels import fp8
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import SPEC_TFLOPS  # noqa: E402
 
 
 def shapes() -> dict[str, tuple[int, int, int, int, int]]:  # T, D, F, E, K
@@ -86,20 +90,22 @@ def main() -> None:
         with open(log_path, "a") as f:
             f.write(msg + "\n")
 
-    def rate(ms: float) -> str:
-        return f"{ms:.3f} ms ({flops / ms / 1e9:.0f})"
+    def rate(ms: float, spec: float) -> str:
+        return f"{ms:.3f} ms ({flops / ms / 1e9:.0f}, {flops / ms / 1e9 / spec:.0%} of spec)"
 
     log(json.dumps(results["env"]))
-    log("TFLOP/s in parentheses")
+    log(f"TFLOP/s in parentheses, and the share of the spec peak (bf16 {SPEC_TFLOPS['bf16']:.0f}, "
+        f"FP8 {SPEC_TFLOPS['fp8']:.0f} TFLOP/s)")
     for sname, (T, D, F, E, K) in shapes().items():
         for gname, (Kd, M) in gemms(D, F).items():
             row = {"shape": sname, "gemm": gname, "N": T * K, "K": Kd, "M": M, "E": E,
                    **measure(T, E, K, Kd, M, args.rep_ms)}
             flops = 2 * T * K * Kd * M
             results["rows"].append(row)
-            log(f"{sname:14s} {gname:12s} N {T * K:6d} K {Kd:5d} M {M:5d} | bf16 {rate(row['bf16'])} | fp8 "
-                f"{rate(row['fp8'])} | fp8 fast {rate(row['fp8 fast'])} | presented {row['rows_presented']} rows: "
-                f"{rate(row['fp8 presented'])}, compact {rate(row['fp8 presented, compact'])} | quant a "
+            bf16, f8 = SPEC_TFLOPS["bf16"], SPEC_TFLOPS["fp8"]
+            log(f"{sname:14s} {gname:12s} N {T * K:6d} K {Kd:5d} M {M:5d} | bf16 {rate(row['bf16'], bf16)} | fp8 "
+                f"{rate(row['fp8'], f8)} | fp8 fast {rate(row['fp8 fast'], f8)} | presented {row['rows_presented']} "
+                f"rows: {rate(row['fp8 presented'], f8)}, compact {rate(row['fp8 presented, compact'], f8)} | quant a "
                 f"{row['quant a']:.3f} b {row['quant b']:.3f}")
             log(f"    fp8 kernel: {row['fp8_kernel']}")
             torch.cuda.empty_cache()
