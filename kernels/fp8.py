@@ -232,19 +232,24 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
 # K and N: "large" (two of m, K, N >= 2048) gets 128x128x128 tiles, other shapes with m, N > 128 get 128x256x64,
 # which with fp32 promotion (use_fast_accum=False) runs at about half the rate. Handing it more rows (never read:
 # the groups end at offs[-1]) makes a GEMM with K or N >= 2048 "large" (benchmarks/fp8_gemms.py measures both).
+# The presented rows cost memory while the GEMM runs (the padded copy of a and torch's output; no compute): at most
+# MAX_PRESENTED_FACTOR times the real ones, which covers 512 rows per group and more.
 LARGE_TILE_DIM = 2048
+MAX_PRESENTED_FACTOR = 4
 
 
 def rows_to_present(rows: int, groups: int, K: int, M: int) -> int:
     """How many rows to hand torch._scaled_grouped_mm for an a [rows, K] @ b [groups, K, M] GEMM so that it runs its
     128x128x128 tiles: `rows` itself where those are chosen anyway or cannot be (the small-shape tiles, or K and M
-    both below LARGE_TILE_DIM), else LARGE_TILE_DIM rows per group. Pure."""
+    both below LARGE_TILE_DIM) or would take more than MAX_PRESENTED_FACTOR x the rows, else LARGE_TILE_DIM rows per
+    group. Pure."""
     m = rows // max(groups, 1)
     small = m <= 128 or M <= 128
     large = sum(v >= LARGE_TILE_DIM for v in (m, K, M)) >= 2
-    if small or large or max(K, M) < LARGE_TILE_DIM:
+    wanted = LARGE_TILE_DIM * groups
+    if small or large or max(K, M) < LARGE_TILE_DIM or wanted > MAX_PRESENTED_FACTOR * rows:
         return rows
-    return LARGE_TILE_DIM * groups
+    return wanted
 
 
 def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:

@@ -155,11 +155,13 @@ def test_scaled_grouped_mm_reference_is_the_dequantized_product():
     (131072, 128, 2048, 1536, 262144),  # 128 experts of F 768, gate+up
     (131072, 64, 1024, 1024, 131072),   # K and M below 2048: no row count makes it large
     (8192, 64, 2048, 2048, 8192),       # 128 rows per expert: torch's small-shape tiles, left alone
+    (32768, 64, 1024, 2048, 131072),    # 4k tokens: 512 rows per expert, 4x the rows
+    (65536, 256, 2048, 1024, 65536),    # 256 rows per expert: 8x the rows would be needed, more memory than allowed
     (16384, 8, 4096, 28672, 16384),     # coarse: large already
 ])
 def test_rows_to_present_picks_the_large_tiles_where_more_rows_can(rows, groups, K, M, want):
     got = fp8.rows_to_present(rows, groups, K, M)
-    assert got == want and got >= rows
+    assert got == want and rows <= got <= fp8.MAX_PRESENTED_FACTOR * rows
 
 
 def test_presented_rows_keep_the_operand_and_add_unread_ones():
