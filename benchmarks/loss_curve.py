@@ -22,8 +22,9 @@ the same order for all three runs). 109M parameters, ~19M active per token. Outp
 three curves, per-run wall time and median tokens/s, the summary), written after every run, and a printed summary.
 
 `--compare precision` runs bf16, bf16 from another init seed and FP8 experts instead (all impl=fast, same data order,
-500 steps by default = 3.5 epochs of the corpus, each epoch in its own order); benchmarks/loss_curve_precision.py
-says how the noise yardstick is built and what the verdict's rule is.
+500 steps by default = 3.7 epochs of the corpus, each epoch in its own order), with --holdout sequences of the corpus
+set aside and each trained model's loss on them reported; benchmarks/loss_curve_precision.py says how the noise
+yardstick is built and what the verdict's rule is.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from moe_launch.conf.schema import (
@@ -88,11 +90,49 @@ def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, 
                       cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1))
 
 
-def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device,
-                init_seed: Optional[int] = None) -> tuple[list[float], dict]:
+def split_heldout(dataset: Path, out: Path, heldout: int) -> tuple[Path, np.ndarray]:
+    """Set the prepared dataset's last `heldout` sequences aside (the built-in corpus is shuffled when it is prepared,
+    so they are a random sample): a dataset of the others in out/train-data to train on, and the held-out rows
+    [H, L+1]. The prepared dataset itself is left as it is."""
+    from moe_launch.trainer.data import shards
+
+    index = shards.read_index(dataset)
+    rows_NL = np.concatenate([np.asarray(s) for s in shards.open_shards(dataset, index)])
+    if not 0 < heldout < len(rows_NL):
+        raise SystemExit(f"--holdout {heldout}: the dataset has {len(rows_NL)} sequences; hold out fewer")
+    train_NL = rows_NL[:-heldout]
+    train_dir = out / "train-data"
+    train_dir.mkdir(parents=True, exist_ok=True)
+    shards.write_shard(train_dir, 0, train_NL)
+    shards.write_index(train_dir, dataclasses.replace(
+        index, shards=[{"file": shards.shard_name(0), "count": len(train_NL)}], shard_size=len(train_NL),
+        total_tokens=int(train_NL.size)))
+    return train_dir, rows_NL[-heldout:]
+
+
+def heldout_loss(model: torch.nn.Module, rows_HL: np.ndarray, cfg: RootConfig, device: torch.device) -> float:
+    """Mean lm loss of a trained model over held-out sequences: forward only, in the run's compute dtype, in
+    micro-batches of train.micro_batch_size (the experts in the run's own precision)."""
+    from moe_launch.trainer.dtypes import compute_dtype
+
+    dtype = compute_dtype(cfg.train.dtype, device)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for mb_BL in torch.from_numpy(rows_HL.astype(np.int64)).split(cfg.train.micro_batch_size):
+            mb_BL = mb_BL.to(device)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                _, parts = model.compute_loss(mb_BL[:, :-1], mb_BL[:, 1:])
+            total += float(parts.lm_loss) * len(mb_BL)  # each sequence has the same number of targets
+            count += len(mb_BL)
+    return total / count
+
+
+def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device, init_seed: Optional[int] = None,
+                heldout_rows: Optional[np.ndarray] = None) -> tuple[list[float], dict]:
     """One Trainer run from scratch in `run_dir`: the per-step lm loss, and the run's wall seconds and median
     tokens/s (steps past the first 5: compilation and warm-up excluded). `init_seed` other than train.seed: the
-    initial weights are those the Trainer would build under that seed, the data order still follows train.seed."""
+    initial weights are those the Trainer would build under that seed, the data order still follows train.seed.
+    `heldout_rows`: the trained model's mean lm loss on them goes into the stats ("heldout_lm_loss")."""
     from moe_launch.trainer.loop import Trainer  # imported here: --prepare-only and --help need no trainer import
     from moe_launch.trainer.standby import warm_model
 
@@ -108,13 +148,16 @@ def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device,
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     code = trainer.train()
-    del trainer
     seconds = time.perf_counter() - t0
     if code != EXIT_OK:
         raise RuntimeError(f"trainer exited with code {code}; see {run_dir}/metrics.jsonl and faults/")
     records = sorted(read_jsonl(RunDir(run_dir).metrics), key=lambda r: r["step"])
     rates = sorted(float(r["tokens_per_s"]) for r in records[5:] if "tokens_per_s" in r)
     stats = {"seconds": round(seconds, 1), "median_tokens_per_s": rates[len(rates) // 2] if rates else None}
+    if heldout_rows is not None:
+        stats["heldout_lm_loss"] = heldout_loss(trainer.model, heldout_rows, cfg, device)
+        stats["heldout_sequences"] = len(heldout_rows)
+    del trainer
     return [float(r["lm_loss"]) for r in records], stats
 
 
@@ -175,6 +218,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="train.compile=true for the fast run (--compare precision: for all three runs)")
     ap.add_argument("--data-cache", default="~/.cache/moe-launch/data", help="data.cache_dir (built-in corpus)")
     ap.add_argument("--prepare-only", action="store_true", help="tokenize the built-in corpus and exit")
+    ap.add_argument("--holdout", type=int, default=None,
+                    help="--compare precision: sequences of the corpus set aside, never trained on, and each trained "
+                         "model's loss on them reported (default 128; smoke 8; 0: none)")
     args = ap.parse_args(argv)
     import loss_curve_precision as precision_mode  # beside this script (its folder is on sys.path)
 
@@ -196,9 +242,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     dataset = prepare_data(args.data_cache, args.smoke)
     print(f"[loss_curve] dataset {dataset} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    heldout_rows = None
     if by_precision:
         runs = precision_mode.plan(args.smoke, lambda precision: root_config(
             args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision))
+        holdout = args.holdout if args.holdout is not None else (8 if args.smoke else 128)
+        if holdout:
+            dataset, heldout_rows = split_heldout(dataset, out / f"data-{stamp}", holdout)
+            runs = [r._replace(cfg=dataclasses.replace(r.cfg, data=dataclasses.replace(
+                r.cfg.data, path=str(dataset), format="npy"))) for r in runs]
     else:
         runs = [precision_mode.PrecisionRun(name, root_config(
             args.smoke, steps, impl, "fp32" if args.smoke else dtype, args.compile and name == "fast",
@@ -214,14 +266,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if by_precision:
         meta.update(compare="precision", epochs=_epochs(dataset, steps * runs[0].cfg.train.global_batch_size),
                     data_seed=runs[0].cfg.train.seed, rule=precision_mode.RULE,
+                    heldout_sequences=0 if heldout_rows is None else len(heldout_rows),
                     plan={r.name: {"precision": r.label, "init_seed": r.init_seed, "impl": r.cfg.model.moe.impl,
                                    "dtype": r.cfg.train.dtype} for r in runs})
     json_name = "loss_curve_precision.json" if by_precision else "loss_curve.json"
     summary: dict = {}
     for name, cfg, init_seed, label in runs:
         try:
-            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed)
+            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed,
+                                                    heldout_rows)
             extra = f" precision={label} init_seed={init_seed}" if by_precision else ""
+            if "heldout_lm_loss" in stats[name]:
+                extra += f" held-out loss {stats[name]['heldout_lm_loss']:.4f}"
             print(f"[loss_curve] {name:9s} impl={cfg.model.moe.impl:9s} dtype={cfg.train.dtype:4s} "
                   f"compile={cfg.train.compile!s:5s}{extra} {stats[name]['seconds']:7.1f} s  "
                   f"{stats[name]['median_tokens_per_s'] or 0:9.0f} tok/s  "
@@ -235,7 +291,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if len(curves) == len(runs):
             if by_precision:
                 rates = {n: stats[n]["median_tokens_per_s"] for n in curves}
-                summary = precision_mode.summarize(curves, rates, args.window, args.smooth, verdict=not args.smoke)
+                heldout = {n: stats[n]["heldout_lm_loss"] for n in curves if "heldout_lm_loss" in stats[n]}
+                summary = precision_mode.summarize(curves, rates, args.window, args.smooth, verdict=not args.smoke,
+                                                   heldout=heldout or None)
             else:
                 summary = summarize(curves, args.window, verdict=not args.smoke)
         _write(out / json_name, meta, summary, curves)  # after every run: a timeout keeps what was measured

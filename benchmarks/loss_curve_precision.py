@@ -5,8 +5,8 @@ Three runs of the real Trainer, model.moe.impl=fast and train.dtype=bf16 for all
   bf16     precision=bf16, init seed A
   bf16_b   precision=bf16, init seed B: the run-to-run noise yardstick
   fp8      precision=fp8,  init seed A
-all on the same data order. 500 steps of global batch 16 read 3.5 epochs of the built-in corpus (2,271 sequences),
-each epoch in its own order: from the second epoch on the sequences repeat, so the tail of the curve partly measures
+all on the same data order. 500 steps of global batch 16 read 3.7 epochs of the built-in corpus (2,271 sequences,
+less the 128 held out below), each epoch in its own order: from the second epoch on the sequences repeat, so the tail of the curve partly measures
 memorisation, alike for all three runs.
 
 Why a separate init seed: train.seed (A = 1234 here) seeds both the initial weights (torch.manual_seed before the
@@ -26,6 +26,11 @@ tail of the run, hundreds of steps later, but as far as the two same-init trajec
 rule leans in fp8's favour. A systematic FP8 penalty still shows in the signed means (fp8 - bf16 and
 bf16_b - bf16: positive = higher loss than bf16), which the table prints beside the rule; the smoothed
 figures (trailing mean over --smooth steps of each curve first) take out the per-batch jitter of the differences.
+
+Held-out loss: with the corpus repeated, a lower training loss may be faster memorisation rather than better
+learning. loss_curve.py therefore sets --holdout sequences aside (never trained on) and reports each final model's
+loss on them; the same comparison, |fp8 - bf16| against |bf16_b - bf16|, is printed for it as a second line beside
+the rule's verdict (one number per run: a coarser yardstick than the curves' window).
 
 Smoke mode (CPU, fp32): FP8 needs an sm90 GPU, so the fp8 slot runs precision=bf16 as a plumbing check of the
 script (its gap to bf16 is 0), labelled as such; no verdict.
@@ -82,9 +87,10 @@ def _diff_stats(a: list[float], b: list[float], lo: int, hi: int) -> dict:
 
 
 def summarize(curves: dict[str, list[float]], rates: dict[str, float | None], window: int, smooth: int,
-              verdict: bool) -> dict:
+              verdict: bool, heldout: dict[str, float] | None = None) -> dict:
     """Pure: fp8 against bf16 (the gap) and bf16_b against bf16 (the noise) over the last `window` steps, raw and
-    after a trailing mean of `smooth` steps; `rates` are the runs' median tokens/s."""
+    after a trailing mean of `smooth` steps; `rates` are the runs' median tokens/s; `heldout` the final models'
+    held-out losses, compared the same way."""
     bf16, bf16_b, fp8 = curves["bf16"], curves["bf16_b"], curves["fp8"]
     n = min(len(bf16), len(bf16_b), len(fp8))
     w = min(window, n)
@@ -112,6 +118,13 @@ def summarize(curves: dict[str, list[float]], rates: dict[str, float | None], wi
         "median_tokens_per_s": dict(rates),
         "fp8_speed_vs_bf16": (rates["fp8"] / rates["bf16"]) if rates.get("fp8") and rates.get("bf16") else None,
     }
+    if heldout is not None:
+        out["heldout_lm_loss"] = dict(heldout)
+        out["heldout_gap_fp8_minus_bf16"] = heldout["fp8"] - heldout["bf16"]
+        out["heldout_noise_bf16_b_minus_bf16"] = heldout["bf16_b"] - heldout["bf16"]
+        if verdict:
+            out["heldout_within_bf16_noise"] = (abs(out["heldout_gap_fp8_minus_bf16"])
+                                                <= abs(out["heldout_noise_bf16_b_minus_bf16"]))
     if verdict:
         out["within_bf16_noise"] = gap["mean_abs"] <= noise["mean_abs"]
         out["verdict"] = f"fp8 within bf16 run-to-run noise: {'yes' if out['within_bf16_noise'] else 'no'}"
@@ -137,6 +150,13 @@ def table(s: dict) -> str:
     ratio, speed = s["gap_over_noise"], s["fp8_speed_vs_bf16"]
     rows.append(f"gap / noise {ratio:.2f}" if ratio is not None else "gap / noise: n/a (noise 0)")
     rows.append(f"fp8 tokens/s vs bf16 {speed:.2f}x" if speed is not None else "fp8 tokens/s vs bf16: n/a")
+    if "heldout_lm_loss" in s:
+        h = s["heldout_lm_loss"]
+        line = (f"held-out loss: bf16 {h['bf16']:.4f}, bf16_b {h['bf16_b']:.4f}, fp8 {h['fp8']:.4f}; fp8 - bf16 "
+                f"{s['heldout_gap_fp8_minus_bf16']:+.4f}, bf16_b - bf16 {s['heldout_noise_bf16_b_minus_bf16']:+.4f}")
+        if "heldout_within_bf16_noise" in s:
+            line += f"; within: {'yes' if s['heldout_within_bf16_noise'] else 'no'}"
+        rows.append(line)
     rows.append(f"rule: {s['rule']}")
     rows.append(s["verdict"])
     return "\n".join(rows)

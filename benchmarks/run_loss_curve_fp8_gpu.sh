@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The FP8 loss curve in one device call (1×H200; log + JSON under $OUT): benchmarks/loss_curve.py --compare precision
 # trains the small OLMoE-like MoE three times for 500 steps on the same data order (bf16, bf16 from another init seed,
-# FP8 experts) and compares the FP8 gap with the bf16 run-to-run noise. Prints the versions, the per-run lines and
-# the summary table (the verdict, then the exit code, last).
+# FP8 experts) and compares the FP8 gap with the bf16 run-to-run noise, over the training curves and on 128 held-out
+# sequences of the corpus. Prints the versions, the per-run lines and the summary table (the verdict, then the exit
+# code, last).
 # LC_S: the benchmark's time limit (seconds); LC_STEPS: steps per run.
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),

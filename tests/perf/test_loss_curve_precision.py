@@ -43,6 +43,12 @@ def test_precision_smoke(tmp_path):
     assert summary["noise_mean_abs_bf16_b_vs_bf16"] > 0 and summary["gap_mean_abs_fp8_vs_bf16"] == 0
     assert "within_bf16_noise" not in summary and "no verdict" in summary["verdict"]
     assert proc.stdout.rstrip().endswith(summary["verdict"])
+    # the held-out sequences: never trained on, each final model's loss on them reported
+    held = summary["heldout_lm_loss"]
+    assert meta["heldout_sequences"] == 8 and set(held) == {"bf16", "bf16_b", "fp8"}
+    assert held["fp8"] == held["bf16"] != held["bf16_b"] and summary["heldout_gap_fp8_minus_bf16"] == 0
+    assert all(meta["runs"][n]["heldout_lm_loss"] == held[n] for n in held)
+    assert "heldout_within_bf16_noise" not in summary and "held-out loss: bf16" in proc.stdout
 
 
 def test_verdict_rule():
@@ -63,6 +69,37 @@ def test_verdict_rule():
     assert abs(s["gap_max_abs_fp8_vs_bf16"] - 0.025) < 1e-9
     assert abs(s["max_abs_all_steps"]["fp8_vs_bf16"] - 1.025) < 1e-9
     assert pm.table(s).splitlines()[-1] == s["verdict"]
+    s = pm.summarize({"bf16": bf16, "bf16_b": bf16_b, "fp8": far}, rates, 100, 10, True,
+                     heldout={"bf16": 3.0, "bf16_b": 3.02, "fp8": 2.99})
+    assert abs(s["heldout_gap_fp8_minus_bf16"] + 0.01) < 1e-9
+    assert abs(s["heldout_noise_bf16_b_minus_bf16"] - 0.02) < 1e-9
+    assert s["heldout_within_bf16_noise"] and "within: yes" in pm.table(s)
+    s = pm.summarize({"bf16": bf16, "bf16_b": bf16_b, "fp8": far}, rates, 100, 10, True,
+                     heldout={"bf16": 3.0, "bf16_b": 3.01, "fp8": 2.97})
+    assert not s["heldout_within_bf16_noise"] and "within: no" in pm.table(s)
+
+
+def test_split_heldout_trains_on_the_rest_only(tmp_path):
+    import numpy as np
+
+    from moe_launch.trainer.data import shards
+
+    lc = _load("loss_curve")
+    src = tmp_path / "src"
+    src.mkdir()
+    rows_NL = np.arange(50 * 9, dtype=np.uint16).reshape(50, 9)  # every row distinct
+    for i, part in enumerate((rows_NL[:30], rows_NL[30:])):  # two shards: the split reads across them
+        shards.write_shard(src, i, part)
+    shards.write_index(src, shards.ShardIndex(
+        seq_len=8, dtype="uint16", vocab_size=512, eos_id=0, max_token_id=int(rows_NL.max()),
+        shards=[{"file": shards.shard_name(0), "count": 30}, {"file": shards.shard_name(1), "count": 20}],
+        tokenizer="test", seed=0, shard_size=30, total_tokens=int(rows_NL.size)))
+    train_dir, held_HL = lc.split_heldout(src, tmp_path / "out", 7)
+    index = shards.read_index(train_dir)
+    train_NL = np.concatenate([np.asarray(s) for s in shards.open_shards(train_dir, index)])
+    assert index.total_instances == 43 and np.array_equal(train_NL, rows_NL[:43])
+    assert np.array_equal(held_HL, rows_NL[43:])
+    assert shards.read_index(src).total_instances == 50  # the prepared dataset is left as it was
 
 
 def test_handed_model_changes_the_init_only(tmp_path):
