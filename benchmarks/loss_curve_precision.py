@@ -6,8 +6,8 @@ Three runs of the real Trainer, model.moe.impl=fast and train.dtype=bf16 for all
   bf16_b   precision=bf16, init seed B: the run-to-run noise yardstick
   fp8      precision=fp8,  init seed A
 all on the same data order. 500 steps of global batch 16 read 3.7 epochs of the built-in corpus (2,271 sequences,
-less the 128 held out below), each epoch in its own order: from the second epoch on the sequences repeat, so the tail of the curve partly measures
-memorisation, alike for all three runs.
+less the 128 held out below), each epoch in its own order: from the second epoch on the sequences repeat, so the
+tail of the curve partly measures memorisation, alike for all three runs.
 
 Why a separate init seed: train.seed (A = 1234 here) seeds both the initial weights (torch.manual_seed before the
 model is built, trainer/loop.py) and the data order (TokenLoader's per-epoch permutation key, trainer/data/loader.py);

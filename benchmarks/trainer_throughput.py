@@ -10,7 +10,8 @@ the optimizer, model.moe.impl=auto -> FastSparseMoE kernels, chunked head + cros
 checkpoints, and runs the trainer as a subprocess. Reported: median tokens/s over the steps after warm-up (the
 trainer's own `tokens_per_s`, measured around the whole step), MFU against the 989 TFLOP/s bf16 spec peak and, as in
 benchmarks/train_step.py, against a dense bf16 GEMM rate measured after the trainer exits, and the final loss. The
--fp8 cases set model.moe.precision=fp8 (FP8 expert GEMMs; the same model FLOPs count).
+-fp8 cases set model.moe.precision=fp8 (FP8 expert GEMMs; the same model FLOPs count), and are also given against
+the peak of the step's precision mix ("MFU mix": the trainer's own mfu, trainer/tracking/flops.py step_peak).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from moe_launch.conf.load import dump_config
 from moe_launch.conf.schema import ClusterConfig, DataConfig, RootConfig, TrainConfig
 from moe_launch.rundir import RunDir
 from moe_launch.trainer.data import shards
-from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
+from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak, step_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import dense_rate  # noqa: E402
@@ -122,7 +123,7 @@ def main() -> None:
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
                  ("olmoe-16L-rc-moe-xs", base, 2, 1, 4096, True, ("moe",))]
     only = set(filter(None, args.only.split(",")))
-    rows = []
+    rows, models = [], {}
     with tempfile.TemporaryDirectory(prefix="moe-trainer-bench-") as tmp:
         for name, model, micro, accum, seq, compile_, recompute in cases:
             if only and name not in only:
@@ -130,29 +131,34 @@ def main() -> None:
             env_extra = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} if name.endswith("-xs") else None
             r = run_case(name, model, micro, accum, seq, 4 if args.smoke else args.steps, compile_, Path(tmp),
                          recompute, env_extra)
+            models[name] = model
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
             if "stderr_tail" in r:
                 print(r["stderr_tail"], flush=True)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     rate = dense_rate(device, 256 if args.smoke else 8192)
-    spec = spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None  # FP8 experts too
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    spec = spec_peak(gpu)
     for r in rows:
         if "tokens_per_s" in r:
-            r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / rate
-            r["mfu_spec"] = r["flops_per_token"] * r["tokens_per_s"] / spec if spec else None
+            used = r["flops_per_token"] * r["tokens_per_s"]
+            r["mfu"] = used / rate
+            r["mfu_spec"] = used / spec if spec else None  # the bf16 peak, FP8 experts too: comparable across rows
+            mix = step_peak(models[r["case"]], r["seq"], gpu)  # FP8 experts: the peak of the step's precision mix
+            r["mfu_spec_mix"] = used / mix if mix else None
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dense_tflops": rate / 1e12}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, "trainer_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n{'case':21s} {'rc':>3s} {'tok/s':>9s} {'wall tok/s':>10s} {'MFU spec':>8s} "
-          f"{'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
+          f"{'MFU mix':>8s} {'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
     for r in rows:
         if "tokens_per_s" in r:
-            mfu_spec = f"{100 * r['mfu_spec']:7.1f}%" if r["mfu_spec"] else f"{'-':>8s}"
+            spec_cols = " ".join(f"{100 * r[k]:7.1f}%" if r[k] else f"{'-':>8s}" for k in ("mfu_spec", "mfu_spec_mix"))
             print(f"{r['case']:21s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {r['tokens_per_s_wall'] or 0:10.0f} "
-                  f"{mfu_spec} {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
+                  f"{spec_cols} {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
         else:
             print(f"{r['case']:21s} {r['rc']:3d} FAILED (see above)")
 

@@ -90,7 +90,7 @@ from moe_launch.trainer.spike import (
 from moe_launch.trainer.start_phases import StartPhases
 from moe_launch.trainer.step_stats import StepStats, start_copy
 from moe_launch.trainer.step_verdict import agree
-from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
+from moe_launch.trainer.tracking.flops import flops_per_token, step_peak
 from moe_launch.trainer.tracking.steplog import LOGGER, install_rank_logging
 
 log = logging.getLogger(LOGGER)
@@ -463,7 +463,7 @@ class Trainer(Restore, Checkpointing):
         if self._perf is None:
             name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
             self._perf = PerfRefs(flops_per_token(self.cfg.model, self.cfg.train.seq_len), self.groups.world_size,
-                                  spec_peak(name, self.cfg.train.peak_flops),
+                                  step_peak(self.cfg.model, self.cfg.train.seq_len, name, self.cfg.train.peak_flops),
                                   preflight_gemm_rate(self.run_dir, self.hosts))
         return self._perf
 

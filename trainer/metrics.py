@@ -8,7 +8,8 @@ previous step's, so the previous update, logging and checkpoint writes count), s
 expert_counts [L][E] ((token, slot) pairs per expert of each MoE layer, summed over every data rank's micro-batches
 of the step: all ranks' tokens, not rank 0's), expert_load_max / expert_load_mean (per MoE layer the busiest
 expert's count over the mean count, 1.0 = perfect balance; the max and the mean over layers), mfu (model FLOPs over
-the devices' data-sheet peak, or train.peak_flops), mfu_gemm (over the GEMM rate the preflight compute check measured
+the devices' data-sheet peak: bf16, or with FP8 experts the peak of the step's mix of bf16 and FP8 FLOPs,
+tracking/flops.py step_peak; or train.peak_flops), mfu_gemm (over the GEMM rate the preflight compute check measured
 on these nodes), mem_gib (peak allocated device memory on CUDA, resident set size on CPU), time (unix seconds), plus
 aux_per_layer / z_per_layer. Under pipeline parallelism the per-layer fields cover rank 0's stage.
 """

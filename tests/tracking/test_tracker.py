@@ -12,9 +12,11 @@ from moe_launch.trainer.tracking import Tracker
 from moe_launch.trainer.tracking.flops import (
     active_matmul_params,
     flops_per_token,
+    fp8_flops_per_token,
     measured_gemm_rate,
     mfu,
     spec_peak,
+    step_peak,
 )
 from moe_launch.trainer.tracking.scalars import layer_load, to_scalars
 from moe_launch.trainer.tracking.tracker import check_backends, installed
@@ -97,6 +99,25 @@ def test_pure_helpers():
     assert active_matmul_params(moe) == 2 * (4 * 64 + 2 * 3 * 8 * 16 + 8 * 8) + 800
     assert flops_per_token(dense, 10) == 6 * active_matmul_params(dense) + 6 * 2 * 10 * 8
     assert mfu(100.0, 2.0, None) is None and math.isclose(mfu(100.0, 2.0, 400.0), 0.5)
+
+
+def test_fp8_experts_are_measured_against_the_peak_of_their_precision_mix():
+    import dataclasses
+
+    from moe_launch.conf import presets
+
+    bf16 = presets.MODELS["olmoe_1b7b"]
+    fp8 = dataclasses.replace(bf16, moe=dataclasses.replace(bf16.moe, precision="fp8"))
+    m, S = bf16.moe, 4096
+    routed = 6.0 * bf16.n_layers * m.top_k * 3 * bf16.d_model * m.expert_hidden  # the experts' matmuls, fwd+bwd
+    assert fp8_flops_per_token(bf16) == 0 and fp8_flops_per_token(fp8) == routed * 4 / 6
+    assert step_peak(bf16, S, "NVIDIA H200") == 989e12
+    total, f8 = flops_per_token(fp8, S), fp8_flops_per_token(fp8)
+    mixed = step_peak(fp8, S, "NVIDIA H200")
+    assert math.isclose(total / mixed, (total - f8) / 989e12 + f8 / 1979e12)  # the ideal time, part by part
+    assert 989e12 < mixed < 1979e12
+    assert step_peak(fp8, S, "NVIDIA A100") == 312e12  # no FP8 peak on the data sheet: bf16's
+    assert step_peak(fp8, S, "NVIDIA H200", override=5e14) == 5e14 and step_peak(fp8, S, "") is None
 
 
 def test_peaks_from_data_sheet_override_and_preflight():

@@ -11,8 +11,8 @@ from typing import Any, Iterable, Optional
 
 from moe_launch.conf.schema import ModelConfig
 
-# Dense bf16 tensor-core peak FLOP/s of one device, from the vendors' data sheets (no sparsity). A device fact, not a
-# cluster fact; train.peak_flops overrides it (another dtype, a clock-limited part). First match of the name wins.
+# Dense bf16 and FP8 tensor-core peak FLOP/s of one device, from the vendors' data sheets (no sparsity). A device
+# fact, not a cluster fact; train.peak_flops overrides it (a clock-limited part). First match of the name wins.
 SPEC_PEAK_BF16 = (
     ("H100 PCIe", 756e12),
     ("H100", 989e12),
@@ -20,6 +20,13 @@ SPEC_PEAK_BF16 = (
     ("H800", 989e12),
     ("A100", 312e12),
     ("B200", 2250e12),
+)
+SPEC_PEAK_FP8 = (
+    ("H100 PCIe", 1513e12),
+    ("H100", 1979e12),
+    ("H200", 1979e12),
+    ("H800", 1979e12),
+    ("B200", 4500e12),
 )
 
 
@@ -36,6 +43,29 @@ def active_matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token at sequence length `seq_len` (causal attention halved)."""
     return 6.0 * active_matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.d_model
+
+
+def fp8_flops_per_token(cfg: ModelConfig) -> float:
+    """The part of flops_per_token that runs in FP8 with model.moe.precision=fp8: the routed experts' forward and
+    activation-gradient GEMMs, 4 of their 6 matmul passes (the weight gradients stay bf16, kernels/moe.py); 0 else."""
+    if cfg.kind != "moe" or cfg.moe.precision != "fp8":
+        return 0.0
+    return 4.0 * cfg.n_layers * cfg.moe.top_k * 3 * cfg.d_model * cfg.moe.expert_hidden
+
+
+def step_peak(cfg: ModelConfig, seq_len: int, device_name: str, override: float = 0.0) -> Optional[float]:
+    """The data-sheet peak a step of this model is measured against: `override` (train.peak_flops) when set; else
+    the bf16 peak, or, with FP8 experts, the rate at which the step's FLOPs would run with each part at its own
+    precision's peak (FLOPs / (bf16 FLOPs / bf16 peak + FP8 FLOPs / FP8 peak)). None for an unknown device."""
+    bf16 = spec_peak(device_name, override)
+    f8 = fp8_flops_per_token(cfg)
+    if override > 0 or bf16 is None or f8 == 0:
+        return bf16
+    fp8 = next((peak for key, peak in SPEC_PEAK_FP8 if key in device_name), None)
+    if fp8 is None:
+        return bf16
+    total = flops_per_token(cfg, seq_len)
+    return total / ((total - f8) / bf16 + f8 / fp8)
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_flops: Optional[float]) -> Optional[float]:
