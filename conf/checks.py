@@ -80,6 +80,12 @@ def validate_cross(cfg: RootConfig) -> None:
         f"pp={p.pp} exceeds n_layers={m.n_layers}",
         "use pp <= model.n_layers",
     )
+    if t.eval_interval:
+        require(cfg.data.eval_path is not None, "data.eval_path",
+                f"train.eval_interval={t.eval_interval} evaluates on held-out data, but none is set",
+                "set data.eval_path to a dataset prepared like data.path (moe-data prepare), or train.eval_interval=0")
+        require(p.pp == 1, "train.eval_interval", "held-out evaluation does not run under pipeline parallelism",
+                "set train.eval_interval=0, or parallel.pp=1")
     world = c.nodes * c.tasks_per_node
     require(
         p.world_size == world,

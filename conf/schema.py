@@ -234,6 +234,10 @@ class TrainConfig:
     expert_load_alert: float = 4.0  # journal a layer whose global max/mean expert load exceeds this (0: never)
     spike: SpikeConfig = field(default_factory=SpikeConfig)
     log_interval: int = 1
+    # held-out evaluation (trainer/evaluate.py): the lm loss over the first eval_batches global batches of
+    # data.eval_path, every eval_interval steps and after the last step (0: never)
+    eval_interval: int = 0
+    eval_batches: int = 4
     recompute: list[str] = field(default_factory=list)  # any of norm, attention, moe, mlp; or [full]
     # torch.compile of attention and norms (trainer/compile.py); None: on for CUDA, off on CPU. Compiled code is kept
     # in the run directory (compile_cache/), so a restart loads it instead of compiling again
@@ -280,6 +284,8 @@ class TrainConfig:
         for i, item in enumerate(self.recompute):
             one_of(item, ("norm", "attention", "moe", "mlp", "full"), f"train.recompute[{i}]")
         require(self.step_sleep_s >= 0, "train.step_sleep_s", "is negative", "use a value >= 0")
+        require(self.eval_interval >= 0, "train.eval_interval", "is negative", "use 0 (never) or a step count")
+        require(self.eval_batches >= 1, "train.eval_batches", f"got {self.eval_batches}", "use a positive integer")
         for i, item in enumerate(self.tracking):
             one_of(item, ("tensorboard", "wandb"), f"train.tracking[{i}]")
         require(self.peak_flops >= 0, "train.peak_flops", "is negative", "use 0 (data-sheet peak) or FLOP/s")
@@ -290,6 +296,8 @@ class DataConfig:
     # directory holding index.json + shard-*.npy (moe-data prepare), or a Megatron prefix (path.bin + path.idx);
     # None: the built-in corpus, tokenized on first use into data.cache_dir
     path: Optional[str] = None
+    # held-out sequences for train.eval_interval, prepared like data.path and read in data.format; never trained on
+    eval_path: Optional[str] = None
     format: str = "npy"  # npy | megatron
     tokenizer: str = "builtin"  # builtin (byte-level BPE trained on the built-in corpus) | /path/to/tokenizer.json
     cache_dir: str = "~/.cache/moe-launch/data"

@@ -59,6 +59,10 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def evals(self) -> Path:
+        return self.root / "eval.jsonl"
+
+    @property
     def heartbeat(self) -> Path:
         return self.root / "heartbeat"
 

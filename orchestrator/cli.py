@@ -159,7 +159,9 @@ def _run_app(cfg_node, run_dir: Path, sweep: bool, overrides: list[str], launch_
     except ConfigError as e:
         return _fail(f"bad configuration: {e}")
     try:  # the trainer would refuse bad data only after the allocation: check the headers now
-        cfg.data = check_data(cfg.data, cfg.train.seq_len, cfg.model.vocab_size, launch_dir)
+        t = cfg.train
+        cfg.data = check_data(cfg.data, t.seq_len, cfg.model.vocab_size, launch_dir,
+                              t.eval_batches * t.global_batch_size if t.eval_interval else 0)
     except DataError as e:
         return _fail(f"refused before submission: {e}")
     cfg.run.name = run_dir.name  # the directory is the run's name (multirun jobs get numbered directories)

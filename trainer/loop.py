@@ -50,6 +50,7 @@ from moe_launch.trainer.checkpointing import Checkpointing
 from moe_launch.trainer.compile import compile_enabled, compile_model
 from moe_launch.trainer.dist import Comm
 from moe_launch.trainer.dtypes import cast_parameters, compute_dtype, param_dtype, set_determinism
+from moe_launch.trainer.evaluate import HeldOut, eval_due
 from moe_launch.trainer.heartbeat import HeartbeatWriter
 from moe_launch.trainer.metrics import (
     MetricsSink,
@@ -150,6 +151,8 @@ class Trainer(Restore, Checkpointing):
             # parameters' final dtype
             compile_model(self.model)
         self.loader = self._open_data()
+        self.heldout = (HeldOut(cfg, self.groups.data_rank, self.groups.data_size, device) if t.eval_interval
+                        else None)
         self.phases.mark("restore_start")
         self.resume = self._choose_resume(verify_first)
         try:  # loads from a slot whose digest check may still be running (restore.py)
@@ -334,6 +337,9 @@ class Trainer(Restore, Checkpointing):
             if sink is not None:
                 sink.log(self._record(done, stats, grad_norm, lr, dt))
         self._test_sleep()
+        if eval_due(done, t.eval_interval, t.steps):  # its seconds are not training time
+            self._slept += self.heldout.evaluate(done, self.model, self.dtype, self.comm.all_reduce_,
+                                                 self.weight_scope, self.heartbeat, sink)
         stop = verdict.stop and done < t.steps  # a warning during the final step: the normal end takes over
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
         if full and not stop and verdict.persisting and t.ckpt_when_busy == "skip":

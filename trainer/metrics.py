@@ -83,6 +83,14 @@ class MetricsSink:
             info = f"loss {record['loss']:.4f}  {record['tokens_per_s']:.0f} tok/s"
             self.progress.update(self.task, completed=record["step"], info=info)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """A held-out evaluation (trainer/evaluate.py): eval.jsonl, not metrics.jsonl, whose readers expect steps."""
+        from moe_launch.trainer.evaluate import format_eval_line
+
+        append_jsonl(self.run_dir.evals, record)
+        self.tracker.log(record["step"], record)
+        log.info(format_eval_line(record))
+
     def close(self) -> None:
         self.tracker.close()
         if self.progress is not None:

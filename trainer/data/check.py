@@ -1,12 +1,14 @@
 """The launch-time data check: what the trainer would refuse, found before anything is allocated.
 
-    check_data(data_cfg, seq_len, vocab_size, launch_dir) -> the DataConfig to run with (data.path made absolute)
+    check_data(data_cfg, seq_len, vocab_size, launch_dir, eval_sequences=0) -> the DataConfig to run with (data.path
+        and data.eval_path made absolute); eval_sequences > 0: data.eval_path is checked the same way and must hold
+        that many sequences (train.eval_batches global batches)
 
 `moe-launch` (and --dry-run) calls it at plan time. It reads only headers: index.json and each shard's .npy header
 through a memory map (rows are never read), or a Megatron .idx plus a bounded prefix of the .bin for the token-id
 check, so it stays well under a couple of seconds however large the dataset. A relative data.path is resolved
 against the directory `moe-launch` was started from: the trainer runs elsewhere (the run directory, other nodes).
-Every error names data.path.
+Every error names the key of the path it is about.
 """
 
 from __future__ import annotations
@@ -30,25 +32,36 @@ def absolute_paths(data: DataConfig, launch_dir: Path) -> DataConfig:
         return str(path if path.is_absolute() else launch_dir / path)
 
     tokenizer = data.tokenizer if data.tokenizer == "builtin" else fix(data.tokenizer)
-    return replace(data, path=fix(data.path) if data.path else None, tokenizer=tokenizer)
+    return replace(data, path=fix(data.path) if data.path else None, tokenizer=tokenizer,
+                   eval_path=fix(data.eval_path) if data.eval_path else None)
 
 
-def check_data(data: DataConfig, seq_len: int, vocab_size: int, launch_dir: Path) -> DataConfig:
+def check_data(data: DataConfig, seq_len: int, vocab_size: int, launch_dir: Path,
+               eval_sequences: int = 0) -> DataConfig:
     data = absolute_paths(data, launch_dir)
-    if data.path is None:  # the built-in corpus is prepared (and checked) on first use
-        return data
-    try:
-        if data.format == "npy":
-            _check_npy(Path(data.path), seq_len, vocab_size)
-        else:
-            _check_megatron(Path(data.path), seq_len, vocab_size)
-    except DataError as e:
-        text = str(e)
-        raise DataError(text if "data.path=" in text else f"data.path={data.path}: {text}") from None
+    if data.path is not None:  # the built-in corpus is prepared (and checked) on first use
+        _check_one("data.path", data.path, data.format, seq_len, vocab_size)
+    if eval_sequences and data.eval_path is not None:
+        held = _check_one("data.eval_path", data.eval_path, data.format, seq_len, vocab_size)
+        if held < eval_sequences:
+            raise DataError(f"data.eval_path={data.eval_path}: {held} sequences of train.seq_len+1, fewer than the "
+                            f"{eval_sequences} of train.eval_batches x train.global_batch_size; lower "
+                            "train.eval_batches or hold out more data")
     return data
 
 
-def _check_npy(path: Path, seq_len: int, vocab_size: int) -> None:
+def _check_one(key: str, path: str, fmt: str, seq_len: int, vocab_size: int) -> int:
+    """The dataset's instance count; a DataError naming `key` if the trainer would refuse it."""
+    try:
+        if fmt == "npy":
+            return _check_npy(Path(path), seq_len, vocab_size)
+        return _check_megatron(Path(path), seq_len, vocab_size)
+    except DataError as e:
+        text = str(e)
+        raise DataError(text if f"{key}=" in text else f"{key}={path}: {text}") from None
+
+
+def _check_npy(path: Path, seq_len: int, vocab_size: int) -> int:
     index = shards.read_index(path)
     if seq_len > index.seq_len:
         raise DataError(f"train.seq_len={seq_len} is longer than the dataset's instances ({index.seq_len} tokens + 1); "
@@ -59,9 +72,10 @@ def _check_npy(path: Path, seq_len: int, vocab_size: int) -> None:
     if index.total_instances == 0:
         raise DataError(f"the dataset holds no instances; {shards.prepare_hint(path)}")
     shards.open_shards(path, index)  # headers only: dtype, [count, seq_len+1], and a file long enough for them
+    return index.total_instances
 
 
-def _check_megatron(prefix: Path, seq_len: int, vocab_size: int) -> None:
+def _check_megatron(prefix: Path, seq_len: int, vocab_size: int) -> int:
     ds = megatron.read_indexed_dataset(prefix)
     total = int(ds.lengths_S.astype(np.int64).sum())
     if total // (seq_len + 1) == 0:
@@ -73,3 +87,4 @@ def _check_megatron(prefix: Path, seq_len: int, vocab_size: int) -> None:
                         "model.vocab_size or tokenize with a matching tokenizer")
     if head.size and int(head.min()) < 0:
         raise DataError("the .bin file holds a negative token id; it is corrupt")
+    return total // (seq_len + 1)

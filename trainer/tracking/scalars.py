@@ -4,6 +4,8 @@ Input keys (the metrics.jsonl record, trainer/metrics.py):
   loss, lm_loss, aux_loss, z_loss, grad_norm, lr, tokens_per_s, expert_load_max, expert_load_mean,
   aux_per_layer [L], z_per_layer [L], mfu, mfu_gemm, step_time_s, mem_gib,
   expert_counts [L][E]: (token, slot) pairs routed to each expert of each MoE layer in this step.
+The held-out evaluation's records (eval.jsonl, trainer/evaluate.py) come through here too: eval_lm_loss,
+eval_ppl, eval_sequences, eval_s.
 Unknown numeric keys are logged under misc/ so nothing the trainer adds is silently dropped.
 """
 
@@ -26,6 +28,10 @@ TAGS = {
     "step_time_s": "perf/step_time_s",
     "expert_load_max": "moe/load_max_over_mean",
     "expert_load_mean": "moe/load_mean_over_mean",
+    "eval_lm_loss": "eval/lm_loss",
+    "eval_ppl": "eval/ppl",
+    "eval_sequences": "eval/sequences",
+    "eval_s": "eval/seconds",
 }
 IGNORED = {"step", "time", "attempt"}
 PER_LAYER = {"aux_per_layer": "aux_loss", "z_per_layer": "z_loss"}
