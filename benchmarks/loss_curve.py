@@ -90,49 +90,46 @@ def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, 
                       cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1))
 
 
-def split_heldout(dataset: Path, out: Path, heldout: int) -> tuple[Path, np.ndarray]:
+def split_heldout(dataset: Path, out: Path, heldout: int) -> tuple[Path, Path]:
     """Set the prepared dataset's last `heldout` sequences aside (the built-in corpus is shuffled when it is prepared,
-    so they are a random sample): a dataset of the others in out/train-data to train on, and the held-out rows
-    [H, L+1]. The prepared dataset itself is left as it is."""
+    so they are a random sample): out/train-data holds the others, out/heldout-data those, both prepared datasets
+    (the trainer's data.path and data.eval_path). The prepared dataset itself is left as it is."""
     from moe_launch.trainer.data import shards
 
     index = shards.read_index(dataset)
     rows_NL = np.concatenate([np.asarray(s) for s in shards.open_shards(dataset, index)])
     if not 0 < heldout < len(rows_NL):
         raise SystemExit(f"--holdout {heldout}: the dataset has {len(rows_NL)} sequences; hold out fewer")
-    train_NL = rows_NL[:-heldout]
-    train_dir = out / "train-data"
-    train_dir.mkdir(parents=True, exist_ok=True)
-    shards.write_shard(train_dir, 0, train_NL)
-    shards.write_index(train_dir, dataclasses.replace(
-        index, shards=[{"file": shards.shard_name(0), "count": len(train_NL)}], shard_size=len(train_NL),
-        total_tokens=int(train_NL.size)))
-    return train_dir, rows_NL[-heldout:]
+    dirs = []
+    for name, part_NL in (("train-data", rows_NL[:-heldout]), ("heldout-data", rows_NL[-heldout:])):
+        d = out / name
+        d.mkdir(parents=True, exist_ok=True)
+        shards.write_shard(d, 0, part_NL)
+        shards.write_index(d, dataclasses.replace(
+            index, shards=[{"file": shards.shard_name(0), "count": len(part_NL)}], shard_size=len(part_NL),
+            total_tokens=int(part_NL.size)))
+        dirs.append(d)
+    return dirs[0], dirs[1]
 
 
-def heldout_loss(model: torch.nn.Module, rows_HL: np.ndarray, cfg: RootConfig, device: torch.device) -> float:
-    """Mean lm loss of a trained model over held-out sequences: forward only, in the run's compute dtype, in
-    micro-batches of train.micro_batch_size (the experts in the run's own precision)."""
-    from moe_launch.trainer.dtypes import compute_dtype
-
-    dtype = compute_dtype(cfg.train.dtype, device)
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for mb_BL in torch.from_numpy(rows_HL.astype(np.int64)).split(cfg.train.micro_batch_size):
-            mb_BL = mb_BL.to(device)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                _, parts = model.compute_loss(mb_BL[:, :-1], mb_BL[:, 1:])
-            total += float(parts.lm_loss) * len(mb_BL)  # each sequence has the same number of targets
-            count += len(mb_BL)
-    return total / count
+def with_heldout(cfg: RootConfig, train_dir: Path, heldout_dir: Path, sequences: int, every: int) -> RootConfig:
+    """The run trained on train_dir and evaluated on all of heldout_dir every `every` steps and after the last
+    (the trainer's own held-out evaluation, trainer/evaluate.py)."""
+    batches, left = divmod(sequences, cfg.train.global_batch_size)
+    if left or not batches:
+        raise SystemExit(f"--holdout {sequences}: use a multiple of the global batch ({cfg.train.global_batch_size})")
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, path=str(train_dir), eval_path=str(heldout_dir), format="npy"),
+        train=dataclasses.replace(cfg.train, eval_interval=every, eval_batches=batches))
 
 
-def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device, init_seed: Optional[int] = None,
-                heldout_rows: Optional[np.ndarray] = None) -> tuple[list[float], dict]:
+def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device,
+                init_seed: Optional[int] = None) -> tuple[list[float], dict]:
     """One Trainer run from scratch in `run_dir`: the per-step lm loss, and the run's wall seconds and median
     tokens/s (steps past the first 5: compilation and warm-up excluded). `init_seed` other than train.seed: the
     initial weights are those the Trainer would build under that seed, the data order still follows train.seed.
-    `heldout_rows`: the trained model's mean lm loss on them goes into the stats ("heldout_lm_loss")."""
+    With train.eval_interval set, the held-out losses the trainer recorded go into the stats ("heldout": [step,
+    loss] pairs; "heldout_lm_loss": the last one, the final model's)."""
     from moe_launch.trainer.loop import Trainer  # imported here: --prepare-only and --help need no trainer import
     from moe_launch.trainer.standby import warm_model
 
@@ -148,16 +145,17 @@ def run_trainer(cfg: RootConfig, run_dir: Path, device: torch.device, init_seed:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     code = trainer.train()
+    del trainer
     seconds = time.perf_counter() - t0
     if code != EXIT_OK:
         raise RuntimeError(f"trainer exited with code {code}; see {run_dir}/metrics.jsonl and faults/")
     records = sorted(read_jsonl(RunDir(run_dir).metrics), key=lambda r: r["step"])
     rates = sorted(float(r["tokens_per_s"]) for r in records[5:] if "tokens_per_s" in r)
     stats = {"seconds": round(seconds, 1), "median_tokens_per_s": rates[len(rates) // 2] if rates else None}
-    if heldout_rows is not None:
-        stats["heldout_lm_loss"] = heldout_loss(trainer.model, heldout_rows, cfg, device)
-        stats["heldout_sequences"] = len(heldout_rows)
-    del trainer
+    evals = read_jsonl(RunDir(run_dir).evals) if RunDir(run_dir).evals.exists() else []
+    if evals:
+        stats["heldout"] = [[e["step"], e["eval_lm_loss"]] for e in evals]
+        stats["heldout_lm_loss"] = evals[-1]["eval_lm_loss"]
     return [float(r["lm_loss"]) for r in records], stats
 
 
@@ -219,8 +217,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--data-cache", default="~/.cache/moe-launch/data", help="data.cache_dir (built-in corpus)")
     ap.add_argument("--prepare-only", action="store_true", help="tokenize the built-in corpus and exit")
     ap.add_argument("--holdout", type=int, default=None,
-                    help="--compare precision: sequences of the corpus set aside, never trained on, and each trained "
-                         "model's loss on them reported (default 128; smoke 8; 0: none)")
+                    help="--compare precision: sequences of the corpus set aside, never trained on, each run's loss "
+                         "on them measured by the trainer (default 128; smoke 8; 0: none)")
+    ap.add_argument("--eval-every", type=int, default=None,
+                    help="--compare precision: steps between held-out evaluations (default 50; smoke 4)")
     args = ap.parse_args(argv)
     import loss_curve_precision as precision_mode  # beside this script (its folder is on sys.path)
 
@@ -242,15 +242,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     dataset = prepare_data(args.data_cache, args.smoke)
     print(f"[loss_curve] dataset {dataset} ({time.perf_counter() - t0:.1f} s)", flush=True)
-    heldout_rows = None
+    holdout = 0
     if by_precision:
         runs = precision_mode.plan(args.smoke, lambda precision: root_config(
             args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision))
         holdout = args.holdout if args.holdout is not None else (8 if args.smoke else 128)
         if holdout:
-            dataset, heldout_rows = split_heldout(dataset, out / f"data-{stamp}", holdout)
-            runs = [r._replace(cfg=dataclasses.replace(r.cfg, data=dataclasses.replace(
-                r.cfg.data, path=str(dataset), format="npy"))) for r in runs]
+            every = args.eval_every or (4 if args.smoke else 50)
+            dataset, heldout_dir = split_heldout(dataset, out / f"data-{stamp}", holdout)
+            runs = [r._replace(cfg=with_heldout(r.cfg, dataset, heldout_dir, holdout, every)) for r in runs]
     else:
         runs = [precision_mode.PrecisionRun(name, root_config(
             args.smoke, steps, impl, "fp32" if args.smoke else dtype, args.compile and name == "fast",
@@ -266,15 +266,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if by_precision:
         meta.update(compare="precision", epochs=_epochs(dataset, steps * runs[0].cfg.train.global_batch_size),
                     data_seed=runs[0].cfg.train.seed, rule=precision_mode.RULE,
-                    heldout_sequences=0 if heldout_rows is None else len(heldout_rows),
+                    heldout_sequences=holdout,
                     plan={r.name: {"precision": r.label, "init_seed": r.init_seed, "impl": r.cfg.model.moe.impl,
                                    "dtype": r.cfg.train.dtype} for r in runs})
     json_name = "loss_curve_precision.json" if by_precision else "loss_curve.json"
     summary: dict = {}
     for name, cfg, init_seed, label in runs:
         try:
-            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed,
-                                                    heldout_rows)
+            curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed)
             extra = f" precision={label} init_seed={init_seed}" if by_precision else ""
             if "heldout_lm_loss" in stats[name]:
                 extra += f" held-out loss {stats[name]['heldout_lm_loss']:.4f}"

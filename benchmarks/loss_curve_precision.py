@@ -28,9 +28,10 @@ bf16_b - bf16: positive = higher loss than bf16), which the table prints beside 
 figures (trailing mean over --smooth steps of each curve first) take out the per-batch jitter of the differences.
 
 Held-out loss: with the corpus repeated, a lower training loss may be faster memorisation rather than better
-learning. loss_curve.py therefore sets --holdout sequences aside (never trained on) and reports each final model's
-loss on them; the same comparison, |fp8 - bf16| against |bf16_b - bf16|, is printed for it as a second line beside
-the rule's verdict (one number per run: a coarser yardstick than the curves' window).
+learning. loss_curve.py therefore sets --holdout sequences aside (never trained on) and has the trainer evaluate on
+them every --eval-every steps (data.eval_path, train.eval_interval); the final model's held-out loss is compared the
+same way, |fp8 - bf16| against |bf16_b - bf16|, on a second line beside the rule's verdict (one number per run: a
+coarser yardstick than the curves' window; every evaluation is in the JSON).
 
 Smoke mode (CPU, fp32): FP8 needs an sm90 GPU, so the fp8 slot runs precision=bf16 as a plumbing check of the
 script (its gap to bf16 is 0), labelled as such; no verdict.

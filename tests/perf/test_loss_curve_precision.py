@@ -48,6 +48,7 @@ def test_precision_smoke(tmp_path):
     assert meta["heldout_sequences"] == 8 and set(held) == {"bf16", "bf16_b", "fp8"}
     assert held["fp8"] == held["bf16"] != held["bf16_b"] and summary["heldout_gap_fp8_minus_bf16"] == 0
     assert all(meta["runs"][n]["heldout_lm_loss"] == held[n] for n in held)
+    assert [step for step, _ in meta["runs"]["bf16"]["heldout"]] == [4, 8]  # the trainer's evaluations
     assert "heldout_within_bf16_noise" not in summary and "held-out loss: bf16" in proc.stdout
 
 
@@ -94,12 +95,16 @@ def test_split_heldout_trains_on_the_rest_only(tmp_path):
         seq_len=8, dtype="uint16", vocab_size=512, eos_id=0, max_token_id=int(rows_NL.max()),
         shards=[{"file": shards.shard_name(0), "count": 30}, {"file": shards.shard_name(1), "count": 20}],
         tokenizer="test", seed=0, shard_size=30, total_tokens=int(rows_NL.size)))
-    train_dir, held_HL = lc.split_heldout(src, tmp_path / "out", 7)
-    index = shards.read_index(train_dir)
-    train_NL = np.concatenate([np.asarray(s) for s in shards.open_shards(train_dir, index)])
-    assert index.total_instances == 43 and np.array_equal(train_NL, rows_NL[:43])
-    assert np.array_equal(held_HL, rows_NL[43:])
+    train_dir, held_dir = lc.split_heldout(src, tmp_path / "out", 7)
+
+    def rows(d):
+        return np.concatenate([np.asarray(s) for s in shards.open_shards(d, shards.read_index(d))])
+
+    assert np.array_equal(rows(train_dir), rows_NL[:43]) and np.array_equal(rows(held_dir), rows_NL[43:])
     assert shards.read_index(src).total_instances == 50  # the prepared dataset is left as it was
+    cfg = lc.with_heldout(lc.root_config(True, 8, "fast", "fp32", False, str(tmp_path)), train_dir, held_dir, 8, 4)
+    assert (cfg.data.path, cfg.data.eval_path) == (str(train_dir), str(held_dir))
+    assert (cfg.train.eval_interval, cfg.train.eval_batches) == (4, 2)  # 8 sequences = 2 global batches of 4
 
 
 def test_handed_model_changes_the_init_only(tmp_path):
