@@ -9,7 +9,8 @@ so evaluations compare), and the per-micro-batch lm losses are averaged over all
 Nothing of the training state moves: no gradients, no optimizer, no expert-bias update (the balancer takes the
 loads the step hands it), the training loader's position untouched; a run with evaluation trains bitwise like one
 without. Its seconds are left out of the next step's tokens/s. The heartbeat is refreshed after every micro-batch,
-so a long evaluation is not taken for a hang. Pipeline parallelism is refused at config time (conf/checks.py).
+so a long evaluation is not taken for a hang. A step that received a stop signal skips it (the stop's checkpoint
+comes first). Pipeline parallelism is refused at config time (conf/checks.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Optional
 import torch
 
 from moe_launch.conf.schema import RootConfig
+from moe_launch.errors import DataError
 from moe_launch.trainer.data import TokenLoader
 from moe_launch.trainer.heartbeat import HeartbeatWriter
 
@@ -40,6 +42,10 @@ class HeldOut:
                                   t.seed, vocab_size=cfg.model.vocab_size)
         self.batches, self.micro, self.device = t.eval_batches, t.micro_batch_size, device
         self.sequences = t.eval_batches * t.global_batch_size
+        if self.loader.n_instances < self.sequences:  # more would wrap around and count sequences twice
+            raise DataError(f"data.eval_path={d.eval_path}: {self.loader.n_instances} sequences, fewer than the "
+                            f"{self.sequences} of train.eval_batches x train.global_batch_size; lower "
+                            "train.eval_batches or hold out more data")
 
     def lm_loss(self, model: torch.nn.Module, dtype: torch.dtype, all_reduce_: Callable[[torch.Tensor], object],
                 scope: Callable[[], ContextManager], beat: Callable[[], None]) -> float:

@@ -337,10 +337,10 @@ class Trainer(Restore, Checkpointing):
             if sink is not None:
                 sink.log(self._record(done, stats, grad_norm, lr, dt))
         self._test_sleep()
-        if eval_due(done, t.eval_interval, t.steps):  # its seconds are not training time
-            self._slept += self.heldout.evaluate(done, self.model, self.dtype, self.comm.all_reduce_,
-                                                 self.weight_scope, self.heartbeat, sink)
         stop = verdict.stop and done < t.steps  # a warning during the final step: the normal end takes over
+        if eval_due(done, t.eval_interval, t.steps) and not stop:  # a stop's checkpoint cannot wait for it
+            self._slept += self.heldout.evaluate(done, self.model, self.dtype, self.comm.all_reduce_,
+                                                 self.weight_scope, self.heartbeat, sink)  # not training time
         full = bool(t.ckpt_interval and done % t.ckpt_interval == 0) or stop  # preemption always leaves one
         if full and not stop and verdict.persisting and t.ckpt_when_busy == "skip":
             full = self._skip_checkpoint(done)

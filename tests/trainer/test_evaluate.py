@@ -15,7 +15,7 @@ from trainer_harness import SEQ, VOCAB, launch_ranks, tiny_cfg, write_run
 
 from moe_launch.conf.schema import ClusterConfig, DataConfig, ParallelConfig, TrainConfig
 from moe_launch.errors import ConfigError, DataError
-from moe_launch.rundir import EXIT_OK, read_jsonl
+from moe_launch.rundir import EXIT_OK, EXIT_PREEMPTED, read_jsonl
 from moe_launch.trainer.data import shards
 from moe_launch.trainer.data.check import check_data
 from moe_launch.trainer.evaluate import eval_due, format_eval_line
@@ -79,6 +79,21 @@ def test_launch_check_names_data_eval_path(tmp_path):
     assert ok.eval_path == str(tmp_path / "held")  # relative to the launch directory, made absolute
     # evaluation off: the held-out path is not read at all
     assert check_data(DataConfig(eval_path="nowhere"), SEQ, VOCAB, tmp_path).eval_path == str(tmp_path / "nowhere")
+
+
+def test_trainer_refuses_too_few_held_out_sequences(tmp_path, data_cache):
+    cfg = _with_eval(tiny_cfg(data_cache, steps=2, ckpt_interval=0), _heldout(tmp_path / "held", n=6), 1, 2)
+    with pytest.raises(DataError, match="data.eval_path=.*6 sequences, fewer than the 8"):
+        Trainer(cfg, write_run(tmp_path / "run", cfg))
+
+
+def test_a_stopping_step_checkpoints_without_evaluating(tmp_path, data_cache):
+    cfg = _with_eval(tiny_cfg(data_cache, steps=3, ckpt_interval=0), _heldout(tmp_path / "held"), 1, 1)
+    rd = write_run(tmp_path / "run", cfg)
+    trainer = Trainer(cfg, rd)
+    trainer.stop_requested = True  # as the SIGUSR2 / SIGTERM handler sets it
+    assert trainer.train() == EXIT_PREEMPTED
+    assert [r["step"] for r in read_jsonl(rd.metrics)] == [1] and not rd.evals.exists()
 
 
 def _direct_loss(model: torch.nn.Module, path: Path, sequences: int, micro: int) -> float:
