@@ -1,6 +1,7 @@
 """`moe-launch report runs/<name> [more runs]`: plots and one self-contained report.html per run (or overlay).
 
-  loss.png         LM, aux and z loss per step (three panels)     lr.png, grad_norm.png, tokens_per_s.png
+  loss.png         LM, aux and z loss per step (three panels; the held-out loss of eval.jsonl on the LM panel)
+                   lr.png, grad_norm.png, tokens_per_s.png
   mfu.png          MFU against the data-sheet peak and the preflight-measured GEMM rate (when logged)
   step_time.png    seconds per optimizer step                     expert_load.png  layer x expert load over steps
   expert_balance.png  busiest expert / mean per step
@@ -59,6 +60,7 @@ class RunSeries:
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0))
     cols: dict[str, np.ndarray] = field(default_factory=dict)  # COLUMNS keys, aligned with steps; NaN = not logged
     step_time: np.ndarray = field(default_factory=lambda: np.zeros(0))  # aligned with steps; NaN where unknown
+    heldout: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))  # [K, 2] (step, held-out lm loss)
     load_SLE: Optional[np.ndarray] = None  # per logged step (with counts): expert load / layer mean
     load_steps: np.ndarray = field(default_factory=lambda: np.zeros(0))  # the steps of load_SLE
     events: list[Event] = field(default_factory=list)
@@ -217,6 +219,9 @@ def read_run(run_dir: str | Path) -> RunSeries:
         summary = {}
     s = RunSeries(name=rd.root.name, kind=_kind_of(rd), steps=_column(records, "step"),
                   cols={k: _column(records, *keys) for k, keys in COLUMNS.items()}, step_time=step_times(records),
+                  heldout=np.asarray([[r["step"], r["eval_lm_loss"]] for r in last_per_step(read_jsonl(rd.evals))
+                                      if isinstance(r.get("eval_lm_loss"), (int, float))], dtype=np.float64
+                                     ).reshape(-1, 2),
                   load_SLE=load_SLE, load_steps=load_steps, events=journal_events(journal, records),
                   overrides=run_overrides(rd), summary=summary,
                   # a finished run's own account, else computed the same way from what is on disk so far

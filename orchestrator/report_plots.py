@@ -96,6 +96,9 @@ def loss_figure(series: list[RunSeries], path: Path) -> Path:
         _lines(ax, series, lambda s, k=key: s.cols[k])
         mark_events(ax, series)
         ax.set_ylabel(name)
+    for s in series:  # the held-out evaluations, on the LM loss panel
+        if len(s.heldout):
+            axes[0].plot(s.heldout[:, 0], s.heldout[:, 1], marker="o", linestyle="--", label=s.label + " held-out")
     axes[0].set_title("Loss")
     return _finish(fig, axes, path)
 

@@ -131,6 +131,21 @@ def test_synthetic_dense_vs_moe(tmp_path):
     assert np.allclose(s.load_LE.mean(axis=1), 1.0)
 
 
+def test_held_out_loss_is_read_and_drawn_on_the_loss_panel(tmp_path):
+    from moe_launch.orchestrator.report_plots import loss_figure
+
+    rd = _synthetic_run(tmp_path / "run", "moe", seed=4, steps=20)
+    before = loss_figure([read_run(rd.root)], tmp_path / "without.png").read_bytes()
+    for step, loss in ((10, 4.6), (20, 4.1), (20, 4.0)):  # a resumed run re-evaluates a step: the last one counts
+        append_jsonl(rd.evals, {"step": step, "eval_lm_loss": loss, "eval_sequences": 8, "eval_s": 0.1})
+    s = read_run(rd.root)
+    assert s.heldout.tolist() == [[10.0, 4.6], [20.0, 4.0]]
+    after = loss_figure([s], tmp_path / "with.png")
+    assert_valid_png(after)
+    assert after.read_bytes() != before
+    assert read_run(_synthetic_run(tmp_path / "plain", "dense", seed=5, steps=5).root).heldout.shape == (0, 2)
+
+
 def test_single_run_report_and_cli(tmp_path, capsys):
     rd = _synthetic_run(tmp_path / "run", "moe", seed=3, steps=12)
     assert main_report(rd.root) == 0
