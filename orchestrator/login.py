@@ -33,6 +33,7 @@ from moe_launch.orchestrator.resubmit import (
     allocation_never_started,
     allocation_verdict,
     buffers_for_resubmit,
+    pending_cannot_start,
     submitted_at,
 )
 from moe_launch.orchestrator.state import Action, SupervisorState, replay
@@ -188,7 +189,7 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         last = started[-1]
         alive = handle_alive(last["cluster"], last["handle"], cfg.cluster.controller_retry_s,
                              time.time() - submitted_at(records, last["handle"]))
-        if alive and not _supervisor_lost(rd, records, last):
+        if alive and not _supervisor_lost(rd, records, last) and not _pending_replanned(cfg, rd, last):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -231,6 +232,38 @@ def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, 
     journal_event(rd, "failure", (host,), supervisor_lost=True,
                   reason=f"allocation {last['handle']} lost its supervisor's node {host}; cancelling it to resubmit")
     slurm.cancel(last["handle"])
+    return True
+
+
+_PENDING_CHECK_S = 5.0
+_pending_checked: dict[str, float] = {}  # allocation -> when this process last asked whether it can still start
+
+
+def _pending_replanned(cfg: RootConfig, rd: RunDir, last: dict[str, Any]) -> bool:
+    """cluster=slurm: a pending allocation sized before a node died would pend until that node returns. Seen as the
+    partition unable to give its N + B nodes but able to give N: cancel it, so it is submitted again with fewer
+    buffers (resubmit.pending_cannot_start)."""
+    handle = last["handle"]
+    if last["cluster"] != "slurm" or handle in _CANCELLED:
+        return handle in _CANCELLED
+    now = time.monotonic()
+    if now - _pending_checked.get(handle, float("-inf")) < _PENDING_CHECK_S:
+        return False
+    _pending_checked[handle] = now
+    try:
+        if slurm.job_state(handle) != "PENDING":
+            return False
+        part = slurm.partition_info(cfg.cluster.partition)
+    except SubmissionError:
+        return False  # a slurmctld hiccup: ask again next time
+    why = pending_cannot_start(part, cfg.cluster.nodes, int(last.get("buffers") or 0),
+                               tuple(last.get("exclude") or ()))
+    if why is None:
+        return False
+    _CANCELLED.add(handle)
+    journal_event(rd, "info", (), message=f"allocation {handle} cannot start: {why}; cancelling it to submit it "
+                  "again with fewer buffer nodes", warning=True, job=handle)
+    slurm.cancel(handle, if_state="PENDING")
     return True
 
 

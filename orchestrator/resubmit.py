@@ -39,6 +39,22 @@ def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], 
     return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
 
 
+def pending_cannot_start(part: Optional[PartitionInfo], nodes: int, buffers: int,
+                         exclude: tuple[str, ...]) -> Optional[str]:
+    """Pure: why a pending allocation of N + B nodes is cancelled and submitted again with fewer buffers, or None to
+    let it pend. It is cancelled when the partition, less the excluded and unavailable nodes, no longer gives N + B
+    but still gives N: a node died after the request was sized (a spare lost together with the previous allocation
+    that the scheduler marked down only later). With fewer than N usable it pends: nodes may come back."""
+    if part is None or buffers <= 0:
+        return None
+    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
+    if not nodes <= len(usable) < nodes + buffers:
+        return None
+    down = sorted(n for n in part.unavailable if n not in exclude)
+    return (f"it asks for {nodes + buffers} nodes, the partition has {len(usable)} usable "
+            f"({', '.join(down)} unavailable)")
+
+
 def submitted_at(records: list[dict[str, Any]], handle: str) -> float:
     """Pure: when the login side submitted allocation `handle` (journal time of its start / resubmit record)."""
     return next((r["time"] for r in reversed(records) if r.get("kind") in ("start", "resubmit")

@@ -26,7 +26,15 @@ from harness import (
     wait_launch,
     wait_step,
 )
-from slurm.helpers import kill_node, restore_nodes, start_controller, stop_controller
+from slurm.helpers import (
+    kill_node,
+    restore_nodes,
+    run_cmd,
+    start_controller,
+    stop_controller,
+    wait_not_responding,
+    wait_sacct_state,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -90,7 +98,9 @@ def test_controller_outage_during_a_relaunch_is_waited_out(reference, tmp_path):
 
 def test_allocation_lost_with_a_spare_resubmits_with_fewer_buffers(reference, tmp_path):
     """N=2, B=2 on node3..node6: the supervisor's node and the spare die within a second. The partition can then give
-    only N nodes: the resubmission asks for B=0 (with a warning), records both dead nodes, and resumes."""
+    only N nodes: the resubmission asks for B=0 (with a warning), records both dead nodes, and resumes. Slurm may mark
+    the two nodes down a ping apart; a resubmission sized in between (B=1) pends on the dead spare, and is cancelled and
+    submitted again with B=0 once the spare shows as down."""
     proc, rd = start(tmp_path, "shrink", *overrides(2, SLOW))
     launch = wait_launch(rd)
     host = next(r for r in journal(rd) if r["kind"] == "allocation")["details"]["supervisor_host"]
@@ -104,8 +114,12 @@ def test_allocation_lost_with_a_spare_resubmits_with_fewer_buffers(reference, tm
     finally:
         restore_nodes([host, spare], timeout=120)
     assert code == 0, summary
-    resub = next(r for r in records if r["kind"] == "resubmit")
+    resubs = [r for r in records if r["kind"] == "resubmit"]
+    resub = resubs[-1]  # the one that ran
     assert resub["details"]["buffers"] == 0 and resub["details"]["continuation"] is False
+    if len(resubs) > 1:  # sized before the spare was seen down: cancelled while pending, with a warning saying so
+        assert [r["details"]["buffers"] for r in resubs] == [1, 0], resubs
+        assert any(r["kind"] == "info" and "cannot start" in r["details"].get("message", "") for r in records)
     assert any(r["kind"] == "info" and r["details"].get("warning") and "buffer" in r["details"]["message"]
                for r in records)
     assert {host, spare} <= set(summary["excluded_nodes"]), summary
@@ -114,6 +128,36 @@ def test_allocation_lost_with_a_spare_resubmits_with_fewer_buffers(reference, tm
     check_outcome(rd, records, summary, reference, restarts=0, swapped=[])
     report("supervisor node and a spare lost", t_fault, records,
            f" (resubmitted with 0 buffers {resub['time'] - t_fault:.1f} s after the kill)")
+
+
+def test_a_pending_allocation_a_dead_node_blocks_is_cancelled_to_shrink(tmp_path):
+    """The login side's check of a pending allocation, on the real controller: N=2 + B=1 sized for node4..node6 pends
+    while node6's slurmd is dead; once Slurm reports node6 unavailable it is cancelled, with a warning that says why,
+    so that it is submitted again with fewer buffers."""
+    from moe_launch.conf.schema import ClusterConfig, ParallelConfig, RootConfig
+    from moe_launch.orchestrator import login
+    from moe_launch.rundir import RunDir, read_jsonl
+
+    kill_node("node6")
+    try:
+        wait_not_responding(["node6"])
+        script = tmp_path / "job.sh"
+        script.write_text("#!/bin/bash\nsleep 120\n")
+        job = run_cmd(["sbatch", "--parsable", "-N", "3", "--exclude=node1,node2,node3", "-o", "/dev/null",
+                       str(script)]).stdout.strip().split(";")[0]
+        rd = RunDir(tmp_path / "run").make()
+        cfg = RootConfig(cluster=ClusterConfig(kind="slurm", nodes=2, buffers=1), parallel=ParallelConfig(dp=2))
+        last = {"handle": job, "cluster": "slurm", "buffers": 1, "exclude": ["node1", "node2", "node3"]}
+        deadline = time.monotonic() + 60
+        while not login._pending_replanned(cfg, rd, last):  # asks the controller at most every 5 s
+            assert time.monotonic() < deadline, "the pending allocation was never cancelled"
+            time.sleep(1)
+        info = [r for r in read_jsonl(rd.journal) if r["kind"] == "info"]
+        assert info and info[-1]["details"]["warning"] and info[-1]["details"]["message"].startswith(
+            f"allocation {job} cannot start: it asks for 3 nodes, the partition has 2 usable (node6 unavailable)")
+        assert wait_sacct_state(job, {"CANCELLED"}) == "CANCELLED"
+    finally:
+        restore_nodes(["node6"], timeout=120)
 
 
 def test_read_only_checkpoint_directory_stops_naming_the_cause(reference, tmp_path):

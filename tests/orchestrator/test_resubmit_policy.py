@@ -10,6 +10,7 @@ from moe_launch.orchestrator.resubmit import (
     allocation_never_started,
     allocation_verdict,
     buffers_for_resubmit,
+    pending_cannot_start,
     submitted_at,
 )
 
@@ -47,6 +48,18 @@ def test_resubmit_shrinks_buffers_to_what_the_partition_can_give():
     assert buffers_for_resubmit(cluster, part, ("node2", "node3")) == 1  # node4 down too: 3 usable
     assert buffers_for_resubmit(cluster, part, ("node1", "node2", "node3")) == 0  # 2 usable: N alone
     assert buffers_for_resubmit(cluster, part, ("node1", "node2", "node3", "node5")) == 0  # pends for N, never < 0
+
+
+def test_a_pending_allocation_is_resized_when_a_node_dies_after_it_was_sized():
+    nodes6 = tuple(f"node{i}" for i in range(1, 7))
+    ex = ("node1", "node2", "node3")  # asked N=2 + B=1 of node4..node6
+    assert pending_cannot_start(PartitionInfo("debug", nodes6), 2, 1, ex) is None  # fits: let it pend
+    why = pending_cannot_start(PartitionInfo("debug", nodes6, unavailable=("node5",)), 2, 1, ex)
+    assert why == "it asks for 3 nodes, the partition has 2 usable (node5 unavailable)"
+    # fewer than N usable: no smaller request would start either; nodes may come back, so it pends
+    assert pending_cannot_start(PartitionInfo("debug", nodes6, unavailable=("node5", "node6")), 2, 1, ex) is None
+    assert pending_cannot_start(PartitionInfo("debug", nodes6, unavailable=("node5",)), 2, 0, ex) is None  # no B
+    assert pending_cannot_start(None, 2, 1, ex) is None
 
 
 def test_an_allocation_without_its_supervisors_record_never_started():
