@@ -3,7 +3,7 @@
 Pure: the caller passes `measure(nodes) -> GroupMeasurement` (which runs a real all-to-all on those nodes) and
 `baseline(n_nodes) -> busbw or None`; this module only decides which groups to test and what the answers mean.
 
-Strategy (binary splitting, about 2·log2(N) + 2 tests for one bad node, instead of N for leave-one-out):
+Strategy (binary splitting, about 2·log2(N) + 3 tests for one bad node, instead of N for leave-one-out):
   1. Split the suspect group into two halves of EQUAL size (an odd node out is set aside), and measure both. Equal
      sizes matter: all-to-all bandwidth depends on the node count, so halves are comparable with each other (and
      with a stored baseline for that count, when there is one).
@@ -16,6 +16,7 @@ Strategy (binary splitting, about 2·log2(N) + 2 tests for one bad node, instead
   3. A bad group of 2 or 3 nodes, every node set aside, and a group whose two halves look alike although their
      union failed (a bad node in each half) are resolved by pairing each member with a cleared anchor node; the
      pairs are judged against the baseline for 2 nodes, else against a pair of two anchors measured for reference.
+     A pair judged bad is measured again, and its suspect convicted only when the repeat is bad as well.
 Limits: with no anchor at all (N = 2 or 3, or both top-level halves equally slow) nothing can be cleared, and the
 suspects are reported `inconclusive` rather than guessed at.
 """
@@ -119,10 +120,22 @@ class _Isolator:
             self._run(anchors[:2])  # a healthy pair: the reference the suspects' pairs are judged against
         pairs = [(member, self._run([member, anchors[0]])) for member in members]
         for member, m in pairs:  # judged after all pairs ran, so each is compared with the best of them
-            if self._bad(m):
+            if self._bad(m) and self._confirmed(m):
                 self.result.bad.append(member)
             else:
                 self._clear([member])
+
+    def _confirmed(self, m: GroupMeasurement) -> bool:
+        """A slow pair is measured once more before its suspect is convicted: conviction excludes a node for good,
+        and one slow measurement of a healthy pair (a busy host, a transient fabric stall) is not proof. Wrong
+        elements and errors are not retried."""
+        if m.error is not None or m.wrong > 0:
+            return True
+        again = self._run(list(m.nodes))
+        if self._bad(again):
+            return True
+        self.result.notes.append(f"{list(m.nodes)} measured slow once, then at speed: not convicted")
+        return False
 
 
 def isolation_cut(threshold: float, depth: Optional[float]) -> float:

@@ -100,3 +100,28 @@ def test_noisy_healthy_pair_is_not_convicted_when_depth_is_known():
     assert isolate(nodes, measure, baseline=lambda k: None, threshold=0.9).bad == ["node1", "node2"]
     assert isolation_cut(0.9, 0.81) == pytest.approx(0.9) and isolation_cut(0.9, 0.04) == pytest.approx(0.2)
     assert isolation_cut(0.9, None) == 0.9
+
+
+def test_a_pair_slow_once_is_measured_again_before_its_suspect_is_convicted():
+    """The CI machine once measured a healthy node's anchor pair 23x below the best pair, once."""
+    nodes = [f"node{i}" for i in range(1, 5)]
+    speed = {("node1", "node2"): 0.001, ("node3", "node4"): 1.0, ("node1", "node3"): 0.02, ("node2", "node3"): 0.001}
+    seen: list[tuple[str, ...]] = []
+
+    def measure(group):
+        key = tuple(group)
+        first_of_node1 = key == ("node1", "node3") and key not in seen
+        seen.append(key)
+        return GroupMeasurement(key, speed[key] if first_of_node1 or key != ("node1", "node3") else 0.95)
+
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.25, depth=0.001)
+    assert r.bad == ["node2"] and sorted(r.cleared) == ["node1", "node3", "node4"], r
+    assert seen.count(("node1", "node3")) == 2 and seen.count(("node2", "node3")) == 2  # each slow pair twice
+    assert any("then at speed" in n for n in r.notes)
+
+
+def test_wrong_elements_are_not_measured_again():
+    nodes, measure, calls = model_cluster(4, {}, corrupt=frozenset({4}))
+    r = isolate(nodes, measure, baseline=lambda k: None, threshold=0.9)
+    assert r.bad == ["node4"]
+    assert sum(1 for c in calls if "node4" in c and len(c) == 2) == 2  # its half, then its anchor pair once

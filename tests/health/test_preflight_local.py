@@ -62,7 +62,7 @@ def test_delay_on_one_node_is_isolated(tmp_path):
     assert result.alltoall["status"] == "fail"
     assert result.isolation["bad"] == ["local2"], result.isolation
     assert result.healthy == ["local1", "local3", "local4"] and list(result.failed) == ["local2"]
-    assert len(result.isolation["tests"]) <= 5
+    assert len(result.isolation["tests"]) <= 6  # halves, anchor pairs, the slow pair measured again
     # `moe-health baseline`: re-record on purpose, even though the stored value is better than today's
     rerecord = run_preflight(NODES, base, cluster, tmp_path / "health", "rebase", force_baseline=True)
     assert rerecord.ok
