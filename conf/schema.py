@@ -44,7 +44,8 @@ class MoEConfig:
     # scales (kernels/fp8.py; weight gradients stay bf16). Needs the kernels (impl auto or fast) on an sm90 GPU
     precision: str = "bf16"
     # fp8: quantize each expert weight once per step rather than once per pass when a layer runs more than once in
-    # a step (micro-batches, recomputed experts); the step then holds the e4m3 copies (the weights' bf16 bytes again)
+    # a step (micro-batches, recomputed experts); the step holds each e4m3 copy (the weights' bf16 bytes again, over
+    # all copies) until its last use in the step
     fp8_weight_reuse: bool = True
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only

@@ -15,7 +15,11 @@ weights cannot change, so further micro-batches and recomputed forwards skip the
 picks what a step would quantize more than once). An entry is used only while its weight's autograd version counter
 and storage are the ones it was built from (an in-place update through torch ops re-quantizes); an update that
 bypasses the version counter (a Triton kernel, `.data`) must happen outside any scope, as the optimizer's does. The
-scope holds the e4m3 copies, as many bytes as the bf16 weights, until it closes. Outside a scope every call
+scope holds the e4m3 copies, as many bytes as the bf16 weights, until their last use: a scope told how often a step
+uses each operand (`uses`, from operands_to_reuse) drops an entry at its last lookup, so the forward operands of
+the last micro-batch are gone before the backward's peak (the caller's reference lives on until its GEMM is done);
+without `uses`, or when a step looks an operand up fewer times than announced, entries go when the scope closes.
+A lookup after an entry was dropped quantizes again: more work, never a stale operand. Outside a scope every call
 quantizes afresh and nothing is kept. The open scopes are process-wide, not per thread: autograd runs a CUDA
 backward on its own thread, which must see the scope the forward saw.
 """
@@ -37,41 +41,70 @@ FORWARD = ("gate_up", "down")
 BACKWARD = ("down_t", "gate_up_t")
 
 
-def operands_to_reuse(passes: int, forward_recomputed: bool) -> tuple[str, ...]:
-    """Which operands a step keeps: those a layer quantizes more than once per step. `passes`: forward+backward
-    passes per step (micro-batches); `forward_recomputed`: the experts' forward runs again in the backward. Pure."""
-    return (FORWARD if passes > 1 or forward_recomputed else ()) + (BACKWARD if passes > 1 else ())
+def operands_to_reuse(passes: int, forward_recomputed: bool) -> dict[str, int]:
+    """The operands a step keeps, each with how often a layer looks it up per step: those it would quantize more
+    than once. `passes`: forward+backward passes per step (micro-batches); `forward_recomputed`: the experts'
+    forward runs again in the backward. Pure."""
+    forward_uses = passes * (2 if forward_recomputed else 1)
+    return {name: uses for names, uses in ((FORWARD, forward_uses), (BACKWARD, passes)) if uses > 1
+            for name in names}
+
+
+def _nbytes(op: Operand) -> int:
+    return sum(t.untyped_storage().nbytes() for t in op)
 
 
 @dataclass
 class ReuseScope:
     """The operands quantized in one scope, by (orientation, weights' ids); hits / misses count lookups of the kept
-    orientations."""
+    orientations; held_bytes / peak_bytes the e4m3 operands and scales the scope holds now / held at most."""
     keep: tuple[str, ...]
+    uses: dict[str, int] = field(default_factory=dict)  # lookups per entry after which it is dropped
     entries: dict[tuple, tuple[tuple, Operand, tuple]] = field(default_factory=dict)
+    looked_up: dict[tuple, int] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    held_bytes: int = 0
+    peak_bytes: int = 0
+
+    def store(self, key: tuple, entry: tuple[tuple, Operand, tuple]) -> None:
+        self.drop(key)
+        self.entries[key] = entry
+        self.held_bytes += _nbytes(entry[1])
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def drop(self, key: tuple) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.held_bytes -= _nbytes(old[1])
+
+    def count_use(self, key: tuple) -> None:
+        self.looked_up[key] = self.looked_up.get(key, 0) + 1
+        if self.looked_up[key] >= self.uses.get(key[0], 0) > 0:
+            self.drop(key)
 
 
 _SCOPES: list[ReuseScope] = []
 
 
 @contextlib.contextmanager
-def reuse_weights(keep: tuple[str, ...] = FORWARD + BACKWARD) -> Iterator[ReuseScope | None]:
-    """Reuse the operands named in `keep` until the block ends (see the module docstring); keep=(): no scope."""
+def reuse_weights(keep: tuple[str, ...] | dict[str, int] = FORWARD + BACKWARD) -> Iterator[ReuseScope | None]:
+    """Reuse the operands named in `keep` (see the module docstring); keep=(): no scope. A dict (operands_to_reuse's
+    answer) also says after how many lookups per step each is dropped; a tuple keeps them until the block ends."""
     if not keep:
         yield None
         return
     unknown = set(keep) - set(FORWARD + BACKWARD)
     if unknown:
         raise ValueError(f"unknown FP8 weight operands {sorted(unknown)}; known: {FORWARD + BACKWARD}")
-    scope = ReuseScope(tuple(keep))
+    scope = ReuseScope(tuple(keep), dict(keep) if isinstance(keep, dict) else {})
     _SCOPES.append(scope)
     try:
         yield scope
     finally:
         _SCOPES.remove(scope)
-        scope.entries.clear()
+        for key in list(scope.entries):
+            scope.drop(key)
 
 
 def _stamp(ws: tuple[torch.Tensor, ...]) -> tuple:
@@ -87,10 +120,12 @@ def _cached(name: str, ws: tuple[torch.Tensor, ...], build: Callable[[], Operand
     hit = scope.entries.get(key)
     if hit is not None and hit[0] == stamp:
         scope.hits += 1
-        return hit[1]
-    scope.misses += 1
-    op = build()
-    scope.entries[key] = (stamp, op, ws)  # holding the weights keeps their ids from being reused by new tensors
+        op = hit[1]
+    else:
+        scope.misses += 1
+        op = build()
+        scope.store(key, (stamp, op, ws))  # holding the weights keeps their ids from being reused by new tensors
+    scope.count_use(key)
     return op
 
 

@@ -13,7 +13,7 @@ from kernel_helpers import random_idx
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.kernels import fp8, swiglu
-from moe_launch.kernels.fp8_weights import BACKWARD, FORWARD, ExpertOperands, operands_to_reuse, reuse_weights
+from moe_launch.kernels.fp8_weights import _SCOPES, BACKWARD, FORWARD, ExpertOperands, operands_to_reuse, reuse_weights
 from moe_launch.kernels.moe import fast_experts
 from moe_launch.trainer.moe.layer import expert_weight_scope
 
@@ -80,9 +80,11 @@ def test_input_gradient_operand_scales_each_channel_over_both_projections():
 
 
 def test_operands_to_reuse():
-    assert operands_to_reuse(1, False) == ()
-    assert operands_to_reuse(1, True) == FORWARD
-    assert operands_to_reuse(4, False) == operands_to_reuse(2, True) == FORWARD + BACKWARD
+    assert operands_to_reuse(1, False) == {}
+    assert operands_to_reuse(1, True) == {"gate_up": 2, "down": 2}
+    assert operands_to_reuse(4, False) == {"gate_up": 4, "down": 4, "down_t": 4, "gate_up_t": 4}
+    assert operands_to_reuse(2, True) == {"gate_up": 4, "down": 4, "down_t": 2, "gate_up_t": 2}
+    assert tuple(operands_to_reuse(3, True)) == FORWARD + BACKWARD
 
 
 def _layer_inputs(gen, T=96, D=32, Fh=24, E=8, K=2, dtype=torch.float32):
@@ -154,7 +156,53 @@ def test_the_trainer_opens_a_reuse_scope_only_where_a_step_quantizes_a_weight_tw
     assert expert_weight_scope(fp8_moe, 1, ["attention"]) is contextlib.nullcontext  # one pass, nothing recomputed
     for passes, recompute, keep in ((1, ["moe"], FORWARD), (1, ["full"], FORWARD), (2, [], FORWARD + BACKWARD)):
         with expert_weight_scope(fp8_moe, passes, recompute)() as scope:
-            assert scope.keep == keep
+            assert scope.keep == keep and scope.uses == operands_to_reuse(passes, bool(recompute))
+
+
+def _forward_backward_of_layers(layers, dy, held_after_forward):
+    """One micro-batch through a stack of expert layers (each its own weights); records the scope's held bytes
+    between the forward and the backward, where a step's activations peak."""
+    x = layers[0][1].clone().requires_grad_()
+    y = x
+    for idx, _, w_TK, ws in layers:
+        y = fast_experts(y, idx, w_TK, *ws, gemm_impl="reference", precision="fp8")
+    held_after_forward.append(_SCOPES[-1].held_bytes)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def test_operands_are_dropped_at_their_last_use_in_the_step():
+    gen = torch.Generator().manual_seed(8)
+    layers = []
+    for _ in range(3):
+        idx, x, w_TK, ws, dy = _layer_inputs(gen)
+        layers.append((idx, x, w_TK, ws))
+    results, helds, scopes = [], [], []
+    for keep in (FORWARD + BACKWARD, operands_to_reuse(2, False)):
+        held: list[int] = []
+        with reuse_weights(keep) as scope:
+            out = [_forward_backward_of_layers(layers, dy, held) for _ in range(2)]
+            left = len(scope.entries)
+        results.append(out)
+        helds.append(held)
+        scopes.append((scope, left))
+    (keep_all, left_all), (dropping, left_dropping) = scopes
+    assert (dropping.misses, dropping.hits) == (keep_all.misses, keep_all.hits) == (12, 12)  # each built once
+    for (y0, dx0), (y1, dx1) in zip(*results):
+        assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    forward_bytes, both_bytes = helds[0]
+    assert helds[1] == [forward_bytes, both_bytes - forward_bytes]  # the last forward let its operands go
+    assert left_all == 12 and left_dropping == 0 and dropping.held_bytes == keep_all.held_bytes == 0
+    assert keep_all.peak_bytes == dropping.peak_bytes == both_bytes  # all four, after the first backward
+
+
+def test_a_lookup_after_the_last_announced_use_quantizes_again():
+    idx, x, w_TK, ws, dy = _layer_inputs(torch.Generator().manual_seed(9))
+    fresh = _pass(idx, x, w_TK, ws, dy)
+    with reuse_weights(operands_to_reuse(2, False)) as scope:
+        passes = [_pass(idx, x, w_TK, ws, dy) for _ in range(3)]  # one more than announced: evaluation, say
+    assert (scope.misses, scope.hits) == (8, 4)
+    assert all(torch.equal(y, fresh[0]) and torch.equal(dx, fresh[1]) for y, dx in passes)
 
 
 @pytest.mark.parametrize("Fh", [96, 1024, 1100])  # 1100: wider than one tile, quantized after the SwiGLU kernel

@@ -57,7 +57,8 @@ def resolve_experts_fn(impl: str, precision: str = "bf16") -> ExpertsFn:
 def expert_weight_scope(cfg: ModelConfig, passes: int, recompute: list[str]) -> Callable[[], ContextManager]:
     """What the trainer opens around each step's forward and backward passes: with FP8 experts and
     model.moe.fp8_weight_reuse, a scope that quantizes each expert weight once per step where a layer runs more than
-    once in it (`passes` micro-batches; `recompute` re-running the experts' forward), else nothing."""
+    once in it (`passes` micro-batches; `recompute` re-running the experts' forward), each copy dropped at its last
+    use in the step, else nothing."""
     moe = cfg.moe
     if cfg.kind != "moe" or moe.precision != "fp8" or not moe.fp8_weight_reuse:
         return contextlib.nullcontext
