@@ -189,7 +189,8 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         last = started[-1]
         alive = handle_alive(last["cluster"], last["handle"], cfg.cluster.controller_retry_s,
                              time.time() - submitted_at(records, last["handle"]))
-        if alive and not _supervisor_lost(rd, records, last) and not _pending_replanned(cfg, rd, last):
+        cancelled = last["handle"] in _CANCELLED  # by this process, to submit again: gone once Slurm says so
+        if alive and not (cancelled or _supervisor_lost(rd, records, last) or _pending_replanned(cfg, rd, last)):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -205,7 +206,7 @@ def _follow_until_summary(cfg: RootConfig, rd: RunDir, view: Optional[LiveView])
         time.sleep(min(cfg.supervisor.poll_s * 2, 1.0))
 
 
-_CANCELLED: set[str] = set()  # allocations this process cancelled because their supervisor's node was lost
+_CANCELLED: set[str] = set()  # allocations this process cancelled to submit again
 
 
 def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, Any]) -> bool:
@@ -213,8 +214,6 @@ def _supervisor_lost(rd: RunDir, records: list[dict[str, Any]], last: dict[str, 
     watches the trainer. Seen as that node gone from the job's NodeList: cancel the job so it is resubmitted."""
     if last["cluster"] != "slurm":
         return False
-    if last["handle"] in _CANCELLED:
-        return True
     allocs = [r for r in records if r.get("kind") == "allocation" and r["details"].get("job_id") == last["handle"]]
     host = allocs[-1]["details"].get("supervisor_host") if allocs else None
     if host is None:
@@ -244,8 +243,8 @@ def _pending_replanned(cfg: RootConfig, rd: RunDir, last: dict[str, Any]) -> boo
     partition unable to give its N + B nodes but able to give N: cancel it, so it is submitted again with fewer
     buffers (resubmit.pending_cannot_start)."""
     handle = last["handle"]
-    if last["cluster"] != "slurm" or handle in _CANCELLED:
-        return handle in _CANCELLED
+    if last["cluster"] != "slurm":
+        return False
     now = time.monotonic()
     if now - _pending_checked.get(handle, float("-inf")) < _PENDING_CHECK_S:
         return False

@@ -29,14 +29,17 @@ def allocation_verdict(continuation: bool, records: list[dict[str, Any]], starte
     return None
 
 
+def _usable(part: PartitionInfo, exclude: tuple[str, ...]) -> list[str]:
+    return [n for n in part.nodes if n not in exclude and n not in part.unavailable]
+
+
 def buffers_for_resubmit(cluster: ClusterConfig, part: Optional[PartitionInfo], exclude: tuple[str, ...]) -> int:
     """Pure: the buffer count a resubmission asks for: cluster.buffers, or fewer when the partition, less the excluded
     and unavailable nodes, cannot give N + B any more (down to 0). A job asking for more would never start, or be
     refused."""
     if part is None:
         return cluster.buffers
-    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
-    return max(0, min(cluster.buffers, len(usable) - cluster.nodes))
+    return max(0, min(cluster.buffers, len(_usable(part, exclude)) - cluster.nodes))
 
 
 def pending_cannot_start(part: Optional[PartitionInfo], nodes: int, buffers: int,
@@ -47,7 +50,7 @@ def pending_cannot_start(part: Optional[PartitionInfo], nodes: int, buffers: int
     that the scheduler marked down only later). With fewer than N usable it pends: nodes may come back."""
     if part is None or buffers <= 0:
         return None
-    usable = [n for n in part.nodes if n not in exclude and n not in part.unavailable]
+    usable = _usable(part, exclude)
     if not nodes <= len(usable) < nodes + buffers:
         return None
     down = sorted(n for n in part.unavailable if n not in exclude)
