@@ -1,6 +1,8 @@
 # Sourced by the device scripts (run_all_gpu.sh, run_training_gpu.sh): environment, editable install, GPU inventory
 # and `run NAME SECONDS CMD...` (log to $OUT/NAME.log with its exit code; RUN_TAIL lines of it echoed afterwards).
-# Needs the pure-Python deps the GPU image lacks (omegaconf, hydra, submitit) in .pydeps/ (carried).
+# Needs the pure-Python deps the GPU image lacks (omegaconf, hydra, submitit) in .pydeps/ (carried), made with
+#   pip install --target .pydeps --no-deps "omegaconf>=2.3,<2.4" "hydra-core>=1.3" submitit "antlr4-python3-runtime==4.9.3"
+# (hydra-core 1.3 requires omegaconf < 2.4, which --no-deps does not check: 2.4 makes hydra print deprecation warnings).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 PYTHONPATH=$PWD/.pydeps:${PYTHONPATH:-}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

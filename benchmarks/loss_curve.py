@@ -219,6 +219,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--holdout", type=int, default=None,
                     help="--compare precision: sequences of the corpus set aside, never trained on, each run's loss "
                          "on them measured by the trainer (default 128; smoke 8; 0: none)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="--compare precision: train.seed A of all three runs (the data order; bf16 and fp8 init "
+                         "from A, bf16_b from A + 1; default 1234); another A repeats the comparison on another order")
     ap.add_argument("--eval-every", type=int, default=None,
                     help="--compare precision: steps between held-out evaluations (default 50; smoke 4)")
     args = ap.parse_args(argv)
@@ -244,8 +247,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"[loss_curve] dataset {dataset} ({time.perf_counter() - t0:.1f} s)", flush=True)
     holdout = 0
     if by_precision:
+        seed_a = precision_mode.SEED_A if args.seed is None else args.seed
         runs = precision_mode.plan(args.smoke, lambda precision: root_config(
-            args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision))
+            args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision), seed_a)
         holdout = args.holdout if args.holdout is not None else (8 if args.smoke else 128)
         if holdout:
             every = args.eval_every or (4 if args.smoke else 50)

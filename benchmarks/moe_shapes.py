@@ -7,7 +7,7 @@ Each shape is one MoE layer as benchmarks/moe_layer.py builds it (router linear 
 N(0,1), router and expert weights N(0,0.02)), with the expert implementations on the same tokens and router: ours
 bf16, ours FP8 (sm90 only; the weights quantized in every call, and reused as by every pass but the first of a
 training step) and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
---only picks shapes by name.
+--only picks shapes by name; --set models runs published models' expert shapes instead (model_shapes()).
 Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
 then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
 FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd), whatever the routing's balance.
@@ -61,7 +61,24 @@ class Shape:
     hot_bias: float = 0.0
 
 
-def shapes(smoke: bool) -> list[Shape]:
+def model_shapes() -> list[Shape]:
+    """`--set models`: published MoE models' expert shapes, none of them the shapes above nor tuned for; dims as
+    their configs give them (a model too large for one GPU with fewer experts, as on one rank of an expert-parallel
+    run), plus token counts that are not powers of two."""
+    return [
+        Shape("DeepSeek-V2-Lite: F 1408, top-6", Dims(T=16384, D=2048, F=1408, E=64, K=6)),
+        Shape("Qwen2-57B-A14B: D 3584, F 2560", Dims(T=8192, D=3584, F=2560, E=64, K=8)),
+        Shape("gpt-oss-20b: D 2880, 32 experts, top-4", Dims(T=16384, D=2880, F=2880, E=32, K=4)),
+        Shape("Mixtral-8x22B: D 6144, F 16384, top-2", Dims(T=4096, D=6144, F=16384, E=8, K=2)),
+        Shape("DeepSeek-V3 expert dims: D 7168, F 2048, 32 experts", Dims(T=4096, D=7168, F=2048, E=32, K=8)),
+        Shape("odd token count: T 3000 (OLMoE dims)", Dims(T=3000, D=2048, F=1024, E=64, K=8)),
+        Shape("few tokens: T 2048 (OLMoE dims)", Dims(T=2048, D=2048, F=1024, E=64, K=8)),
+    ]
+
+
+def shapes(smoke: bool, which: str = "common") -> list[Shape]:
+    if which == "models" and not smoke:
+        return model_shapes()
     olmoe = Dims(T=16384, D=2048, F=1024, E=64, K=8)
     full = [
         Shape("OLMoE-1B-7B (anchor)", olmoe),
@@ -242,6 +259,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="tiny fp32 CPU run of the script's own logic")
     ap.add_argument("--rep-ms", type=int, default=500, help="do_bench measuring time per row")
+    ap.add_argument("--set", dest="which", choices=("common", "models"), default="common",
+                    help="common: the common shapes; models: published models' expert shapes (--smoke: the same "
+                         "tiny shapes either way)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
@@ -272,7 +292,7 @@ def main() -> None:
 
     results = {}
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    for shape in (s for s in shapes(args.smoke) if not wanted or any(w in s.name for w in wanted)):
+    for shape in (s for s in shapes(args.smoke, args.which) if not wanted or any(w in s.name for w in wanted)):
         t0 = time.perf_counter()
         try:
             results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile)
@@ -286,7 +306,8 @@ def main() -> None:
     log("")
     for line in table(results, dense):
         log(line)
-    with open(os.path.join(args.out, "moe_shapes.json"), "w") as f:
+    with open(os.path.join(args.out, "moe_shapes.json" if args.which == "common" else f"moe_shapes-{args.which}.json"),
+              "w") as f:
         json.dump({"env": env, "spec_tflops": SPEC_TFLOPS, "dense_tflops": dense, "shapes": results}, f, indent=1,
                   default=str)
 

@@ -118,6 +118,11 @@ def main() -> None:
                  # four micro-batches per step: the optimizer update and FP8's weight quantization amortized
                  ("olmoe-16L-4mb", base, 2, 4, 4096, True, ()),
                  ("olmoe-16L-fp8-4mb", fp8, 2, 4, 4096, True, ()),
+                 # toward the many micro-batches per GPU-step of a real global batch: what is left per micro-batch
+                 ("olmoe-16L-8mb", base, 2, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-8mb", fp8, 2, 8, 4096, True, ()),
+                 ("olmoe-4L-4mb", l4, 4, 4, 4096, True, ()),
+                 ("olmoe-4L-fp8-4mb", l4_fp8, 4, 4, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
