@@ -5,9 +5,9 @@ CPU smoke test:   python benchmarks/train_step.py --smoke
 Rows (ids for --only): our model with FastSparseMoE kernels, chunked head + cross-entropy and our sharded AdamW
 (flat parameter/gradient buffers, one-pass Triton update) with bf16 parameters and the fp32 master inside the
 optimizer ("bf16"), the same with attention + norms compiled ("bf16c"), with 4 micro-batches per optimizer step
-("bf16c_acc4", 16 layers), fp32 parameters + bf16 autocast ("fp32"), and HF's model with experts_implementation
-grouped_mm (fp32 master + autocast, fused torch AdamW; "hf"), at the 4-layer OLMoE shape (batch 4 x 4096) and the
-full 16-layer shape (batch 2 x 4096 per micro-batch).
+("bf16c_acc4", 16 layers; "fp8c_acc4" the same with FP8 experts, sm90 only), fp32 parameters + bf16 autocast
+("fp32"), and HF's model with experts_implementation grouped_mm (fp32 master + autocast, fused torch AdamW; "hf"),
+at the 4-layer OLMoE shape (batch 4 x 4096) and the full 16-layer shape (batch 2 x 4096 per micro-batch).
 MFU = (6*N_active + 6*L*d*S) * tokens / time over the device's data-sheet bf16 peak ("MFU spec", 989 TFLOP/s on
 H100/H200) and over the dense bf16 GEMM rate measured in this run ("MFU dense"), with
 N_active = L*(4d^2 + 3*K*d*F + d*E) + d*V (attention, the K active experts, router, output head; no input embedding;
@@ -29,10 +29,12 @@ import torch
 
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
+from moe_launch.kernels.fp8 import fp8_gemm_supported
 from moe_launch.trainer.compile import compile_model
 from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.model.loss import chunked_cross_entropy
+from moe_launch.trainer.moe.layer import expert_weight_scope
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
@@ -90,9 +92,12 @@ def ours(model_cfg, batch_BS1, device, bf16_params: bool, phases: bool, accum: i
         loss.backward()
         return loss
 
+    weight_scope = expert_weight_scope(model_cfg, accum, [])  # FP8 experts: weights quantized once per step
+
     def step():
-        for _ in range(accum):  # micro-batches of the same tokens: the cost does not depend on the values
-            loss = fwd_bwd()
+        with weight_scope():
+            for _ in range(accum):  # micro-batches of the same tokens: the cost does not depend on the values
+                loss = fwd_bwd()
         opt.reduce_grads()
         opt.clip_grad_norm_(1.0)
         opt.step(1e-4)
@@ -179,7 +184,10 @@ def profile_step(step_fn, device, out_dir) -> list:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with open(os.path.join(out_dir, "train_step_profile.txt"), "w") as f:
         f.write(table)
-    top = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    top = sorted((e for e in prof.key_averages() if e.self_device_time_total > 0),
+                 key=lambda e: -e.self_device_time_total)
+    with open(os.path.join(out_dir, "train_step_kernels.json"), "w") as f:  # every kernel: self device ms, calls
+        json.dump([(e.key, e.self_device_time_total / 1e3, e.count) for e in top], f, indent=0)
     return [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top[:25]]
 
 
@@ -217,7 +225,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run that checks the script")
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default="", help="comma list of row ids (bf16, bf16c, hf, ...) or shape/id")
-    ap.add_argument("--profile", action="store_true", help="profile one step of the first row (needs --out)")
+    ap.add_argument("--profile", nargs="?", const="olmoe-4L/bf16", default=None, metavar="SHAPE/ID",
+                    help="profile one step of that row (default olmoe-4L/bf16; needs --out)")
     ap.add_argument("--budget-s", type=float, default=75.0, help="skip the remaining rows after this many seconds")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -234,12 +243,15 @@ def main() -> None:
         rate = dense_rate(device, 8192)
     impl = "fast" if device.type == "cuda" else "reference"
     spec = spec_peak(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    prof_dir = os.path.join(args.out, "profile") if args.out and args.profile else None
+
+    def prof(row: str):  # where that row's profile goes, if --profile named it
+        return os.path.join(args.out, "profile") if args.out and args.profile == row else None
+
     four, sixteen = shapes[0], shapes[-1]
     # (id, shape, label, fn(model_cfg, batch) -> row): most informative first, so that --budget-s drops the least
     plan = [
         ("bf16", four, "ours: bf16 params + fp32 master (remainder) in optimizer",
-         lambda m, batch: ours(m, batch, device, True, phases=True, profile_dir=prof_dir)),
+         lambda m, batch: ours(m, batch, device, True, phases=True, profile_dir=prof("olmoe-4L/bf16"))),
         ("bf16c", four, "ours: bf16 params, attention + norms compiled",
          lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True)),
         ("hf", four, "HF OlmoeForCausalLM grouped_mm", lambda m, batch: hf(m, batch, device)),
@@ -249,10 +261,16 @@ def main() -> None:
          lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True)),
         ("hf", sixteen, "HF OlmoeForCausalLM grouped_mm", lambda m, batch: hf(m, batch, device)),
         ("bf16c_acc4", sixteen, "ours: bf16 params, compiled, 4 micro-batches per step",
-         lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True, accum=4)),
+         lambda m, batch: ours(m, batch, device, True, phases=False, compiled=True, accum=4,
+                               profile_dir=prof(f"{sixteen[0]}/bf16c_acc4"))),
         ("fp32", four, "ours: fp32 params + autocast",
          lambda m, batch: ours(m, batch, device, bf16_params=False, phases=False)),
     ]
+    if fp8_gemm_supported(device):
+        plan.append(("fp8c_acc4", sixteen, "ours: FP8 experts, bf16 params, compiled, 4 micro-batches per step",
+                     lambda m, batch: ours(dataclasses.replace(m, moe=dataclasses.replace(m.moe, precision="fp8")),
+                                           batch, device, True, phases=False, compiled=True, accum=4,
+                                           profile_dir=prof(f"{sixteen[0]}/fp8c_acc4"))))
     rows = []
     only = set(filter(None, args.only.split(",")))
     for row_id, (shape_name, m, B, S), name, fn in plan:
