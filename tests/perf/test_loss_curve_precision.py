@@ -127,3 +127,16 @@ def test_handed_model_changes_the_init_only(tmp_path):
     own = losses("own", None)
     assert losses("handed_same_seed", cfg.train.seed) == own
     assert losses("handed_other_seed", cfg.train.seed + 1)[0] != own[0]
+
+
+def test_plan_follows_the_seed():
+    """--seed A: every run trains on the order of A; bf16 and fp8 start from A's init, bf16_b from A + 1."""
+    from moe_launch.conf.schema import RootConfig
+
+    pm = _load("loss_curve_precision")
+    for seed_a in (pm.SEED_A, 2024):
+        runs = pm.plan(False, lambda precision: RootConfig(), seed_a)
+        assert [r.name for r in runs] == ["bf16", "bf16_b", "fp8"]
+        assert {r.cfg.train.seed for r in runs} == {seed_a}
+        assert [r.init_seed for r in runs] == [seed_a, seed_a + 1, seed_a]
+        assert [r.label for r in runs] == ["bf16", "bf16", "fp8"]

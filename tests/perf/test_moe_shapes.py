@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,3 +27,17 @@ def test_moe_shapes_smoke(tmp_path):
     skewed = next(res for name, res in shapes.items() if name.startswith("skewed"))
     assert skewed["load"]["hot_share"] > 0.5
     assert proc.stdout.rstrip().splitlines()[-1].startswith("| few tokens: T 1024")  # the table prints last
+
+
+def test_model_shapes_are_not_the_common_ones():
+    """--set models: published models' shapes the layer was not worked on; none repeats a common shape."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import moe_shapes
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    common = {astuple(s.dims) for s in moe_shapes.shapes(False)}
+    models = moe_shapes.shapes(False, "models")
+    assert models == moe_shapes.model_shapes() and len(models) == 7
+    assert not {astuple(s.dims) for s in models} & common
+    assert moe_shapes.shapes(True, "models") == moe_shapes.shapes(True)  # the smoke run's tiny shapes either way
