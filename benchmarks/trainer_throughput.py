@@ -12,6 +12,8 @@ trainer's own `tokens_per_s`, measured around the whole step), MFU against the 9
 benchmarks/train_step.py, against a dense bf16 GEMM rate measured after the trainer exits, and the final loss. The
 -fp8 cases set model.moe.precision=fp8 (FP8 expert GEMMs; the same model FLOPs count), and are also given against
 the peak of the step's precision mix ("MFU mix": the trainer's own mfu, trainer/tracking/flops.py step_peak).
+"full attn": MFU against the bf16 spec with causal attention counted in full, as Megatron-LM and torchtitan count it
+(flops_per_token(causal=False)): for comparing with figures quoted that way, never for our targets.
 """
 
 from __future__ import annotations
@@ -152,16 +154,21 @@ def main() -> None:
             r["mfu_spec"] = used / spec if spec else None  # the bf16 peak, FP8 experts too: comparable across rows
             mix = step_peak(models[r["case"]], r["seq"], gpu)  # FP8 experts: the peak of the step's precision mix
             r["mfu_spec_mix"] = used / mix if mix else None
+            # as Megatron-LM and torchtitan count (causal attention not halved): for comparing with their figures
+            full = flops_per_token(models[r["case"]], r["seq"], causal=False) * r["tokens_per_s"]
+            r["mfu_spec_full_attention"] = full / spec if spec else None
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dense_tflops": rate / 1e12}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         Path(args.out, "trainer_throughput.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\n{meta}\n{'case':21s} {'rc':>3s} {'tok/s':>9s} {'wall tok/s':>10s} {'MFU spec':>8s} "
-          f"{'MFU mix':>8s} {'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
+          f"{'MFU mix':>8s} {'full attn':>9s} {'MFU dense':>9s} {'peak GiB':>8s} {'loss':>7s}")
     for r in rows:
         if "tokens_per_s" in r:
             spec_cols = " ".join(f"{100 * r[k]:7.1f}%" if r[k] else f"{'-':>8s}" for k in ("mfu_spec", "mfu_spec_mix"))
+            full = r["mfu_spec_full_attention"]
+            spec_cols += f" {100 * full:8.1f}%" if full else f" {'-':>9s}"
             print(f"{r['case']:21s} {r['rc']:3d} {r['tokens_per_s']:9.0f} {r['tokens_per_s_wall'] or 0:10.0f} "
                   f"{spec_cols} {100 * r['mfu']:8.1f}% {r['peak_gib']:8.1f} {r['final_loss']:7.3f}")
         else:

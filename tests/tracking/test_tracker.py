@@ -98,6 +98,8 @@ def test_pure_helpers():
                       moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=16))
     assert active_matmul_params(moe) == 2 * (4 * 64 + 2 * 3 * 8 * 16 + 8 * 8) + 800
     assert flops_per_token(dense, 10) == 6 * active_matmul_params(dense) + 6 * 2 * 10 * 8
+    # the convention of Megatron-LM and torchtitan: the masked half of causal attention counted too
+    assert flops_per_token(dense, 10, causal=False) == 6 * active_matmul_params(dense) + 12 * 2 * 10 * 8
     assert mfu(100.0, 2.0, None) is None and math.isclose(mfu(100.0, 2.0, 400.0), 0.5)
 
 

@@ -1,5 +1,6 @@
 """Model FLOPs per token and MFU, PaLM-style: 6 x (active matmul parameters) + 6 x L x S x D for causal attention
-(PaLM's 12 x L x S x D halved: a causal mask skips half of the score and value products).
+(PaLM's 12 x L x S x D halved: a causal mask skips half of the score and value products; Megatron-LM and torchtitan
+keep the 12, which flops_per_token(causal=False) gives for comparisons).
 
 Active parameters count only the top-k experts a token visits (plus the router), which is what an MoE costs
 per token; embeddings are a lookup and not counted, the output head is.
@@ -40,9 +41,12 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     return cfg.n_layers * (attn + ffn) + D * cfg.vocab_size
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token at sequence length `seq_len` (causal attention halved)."""
-    return 6.0 * active_matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.d_model
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs (forward + backward) per token at sequence length `seq_len`, causal attention halved.
+    causal=False counts the score and value products the mask skips too, as Megatron-LM's and torchtitan's MFU do:
+    only for comparing with figures quoted that way; the trainer's metrics never use it."""
+    attention = (6.0 if causal else 12.0) * cfg.n_layers * seq_len * cfg.d_model
+    return 6.0 * active_matmul_params(cfg) + attention
 
 
 def fp8_flops_per_token(cfg: ModelConfig) -> float:
