@@ -77,6 +77,9 @@ class MoEConfig:
         return self.aux_loss_coef if self.balance == "aux_loss" else 0.0
 
 
+FP8_DIM_MULTIPLE = 16  # torch._scaled_grouped_mm: every e4m3 operand's K and the bf16 outputs' rows 16-byte aligned
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny_moe"
@@ -112,6 +115,12 @@ class ModelConfig:
             f"head dim {self.d_model // self.n_heads} is odd (rotary embeddings rotate pairs)",
             "choose n_heads so that d_model / n_heads is even",
         )
+        if self.kind == "moe" and self.moe.precision == "fp8":
+            for key, dim in (("model.d_model", self.d_model), ("model.moe.expert_hidden", self.moe.expert_hidden)):
+                require(dim % FP8_DIM_MULTIPLE == 0, key,
+                        f"{dim} is not a multiple of {FP8_DIM_MULTIPLE}, which the FP8 expert GEMMs need (rows of "
+                        "e4m3 operands 16-byte aligned)",
+                        f"choose a multiple of {FP8_DIM_MULTIPLE}, or model.moe.precision=bf16")
         if self.init_from is not None:
             require(
                 self.init_from.startswith(("hf:", "ckpt:")),

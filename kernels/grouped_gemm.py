@@ -139,12 +139,20 @@ def _torch_grouped_mm():
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+def aligned_16(t: torch.Tensor) -> bool:
+    """CUTLASS's layout rule for a GEMM operand: the data 16-byte aligned and every stride but the unit one a
+    multiple of 16 bytes (a model dim or expert hidden size that is not a multiple of 8 in bf16 breaks it). Pure."""
+    step = 16 // t.element_size()
+    strides = [st for st, n in zip(t.stride(), t.shape) if n > 1 and st != 1]
+    return t.data_ptr() % 16 == 0 and all(st % step == 0 for st in strides)
+
+
 def torch_path_ok(*tensors: torch.Tensor) -> bool:
-    """CUTLASS grouped GEMM: sm90+, bf16, 16-byte aligned strides."""
+    """CUTLASS grouped GEMM: sm90+, bf16, 16-byte aligned operands (else our Triton kernel takes the GEMM)."""
     t0 = tensors[0]
     if _torch_grouped_mm() is None or not t0.is_cuda or torch.cuda.get_device_capability(t0.device)[0] < 9:
         return False
-    return all(t.dtype == torch.bfloat16 for t in tensors)
+    return all(t.dtype == torch.bfloat16 and aligned_16(t) for t in tensors)
 
 
 def grouped_mm_torch(a_NK, b_EKM, ends_E):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_launch.conf.schema import FP8_DIM_MULTIPLE
 from moe_launch.kernels import fp8
 from moe_launch.kernels.fp8_weights import ExpertOperands, Operand
 from moe_launch.kernels.gather import gather_rows
@@ -143,8 +144,8 @@ def fast_experts(
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
     gemm_impl: "auto" (torch grouped_mm on sm90 bf16, else our Triton kernel), "torch", "triton" or "reference".
-    precision: "bf16" | "fp8" (the module docstring says which GEMMs; "fp8" needs an sm90 GPU unless gemm_impl is
-    "reference", which emulates the FP8 GEMMs in fp32).
+    precision: "bf16" | "fp8" (the module docstring says which GEMMs; "fp8" needs an sm90 GPU and D and F multiples
+    of 16 unless gemm_impl is "reference", which emulates the FP8 GEMMs in fp32).
     Under torch.autocast the expert computation runs in the autocast dtype, as F.linear would, and y_TD comes back in
     that dtype; with precision="fp8" it runs in bf16 (the FP8 GEMMs' output dtype). Weight gradients come back in
     the weights' dtype (fp32 master weights get fp32 gradients). w_TK keeps its dtype (the reductions accumulate in
@@ -152,6 +153,10 @@ def fast_experts(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"expert precision {precision!r} is not one of {PRECISIONS}")
+    if precision == "fp8" and gemm_impl != "reference" and (x_TD.shape[-1] % FP8_DIM_MULTIPLE
+                                                             or w_gate_EFD.shape[1] % FP8_DIM_MULTIPLE):
+        raise ValueError(f"precision='fp8' needs the model dim ({x_TD.shape[-1]}) and the expert hidden size "
+                         f"({w_gate_EFD.shape[1]}) to be multiples of {FP8_DIM_MULTIPLE} (16-byte aligned e4m3 rows)")
     dev = x_TD.device.type
     dt = torch.bfloat16 if precision == "fp8" else (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                                                      else None)

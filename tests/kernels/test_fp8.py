@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_helpers import random_idx, rel_err
 
-from moe_launch.conf.schema import MoEConfig
+from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.errors import ConfigError
 from moe_launch.kernels import fp8
 from moe_launch.kernels.grouped_gemm import grouped_mm_reference
@@ -244,3 +244,21 @@ def test_fp8_binds_the_kernels_precision():
     with pytest.raises(ValueError, match="precision"):
         fast_experts(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1),
                      *(torch.zeros(1, 4, 4),) * 3, precision="fp16")
+
+
+def test_fp8_dims_are_checked_before_anything_runs():
+    """The e4m3 operands' rows must be 16-byte aligned: a model dim or expert hidden size that is not a multiple of
+    16 is a config error on the login node, and a clear ValueError for a direct caller of the kernels."""
+    ModelConfig(d_model=128, moe=MoEConfig(expert_hidden=256, precision="fp8"))
+    ModelConfig(d_model=120, n_heads=4, moe=MoEConfig(expert_hidden=200))  # bf16: any size
+    for d_model, hidden, key in ((120, 256, "model.d_model"), (128, 200, "model.moe.expert_hidden")):
+        with pytest.raises(ConfigError) as err:
+            ModelConfig(d_model=d_model, n_heads=4, moe=MoEConfig(expert_hidden=hidden, precision="fp8"))
+        assert err.value.key == key and "multiple of 16" in str(err.value) and "precision=bf16" in str(err.value)
+    T, D, Fh, E, K = 8, 24, 16, 4, 2
+    x, w_TK = torch.randn(T, D), torch.rand(T, K)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    ws = (torch.randn(E, Fh, D), torch.randn(E, Fh, D), torch.randn(E, D, Fh))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fast_experts(x, idx, w_TK, *ws, precision="fp8")
+    assert fast_experts(x, idx, w_TK, *ws, gemm_impl="reference", precision="fp8").shape == (T, D)  # emulated: any

@@ -135,3 +135,16 @@ def test_combine_forward_and_backward(T, K, EG, e0, e1, D, gen):
     terms_TK[local] = (dy_TKD[local] * rows[p.pair_row_TK[local].long()]).abs().sum(-1)
     assert bool(((dw - dw_ref).abs() <= 1e-6 * terms_TK).all()), ((dw - dw_ref).abs().max(), terms_TK.max())
     assert bool((dw[p.pair_row_TK < 0] == 0).all())  # non-local pairs: no router-weight gradient from this rank
+
+
+def test_cutlass_alignment_rule():
+    """The torch (CUTLASS) grouped GEMM takes only 16-byte aligned operands; anything else goes to our Triton kernel."""
+    w = torch.zeros(4, 16, 24, dtype=torch.bfloat16)
+    assert grouped_gemm.aligned_16(w) and grouped_gemm.aligned_16(w.transpose(1, 2))  # strides 384, 24: x 8
+    odd = torch.zeros(4, 16, 20, dtype=torch.bfloat16)  # rows of 40 bytes
+    assert not grouped_gemm.aligned_16(odd) and not grouped_gemm.aligned_16(odd.transpose(1, 2))
+    flat = torch.zeros(64 * 24, dtype=torch.bfloat16)
+    assert grouped_gemm.aligned_16(flat[24:].view(-1, 24))  # starts 48 bytes in
+    assert not grouped_gemm.aligned_16(flat[4:4 + 63 * 24].view(-1, 24))  # starts 8 bytes in
+    assert grouped_gemm.aligned_16(torch.zeros(1, 5, dtype=torch.bfloat16))  # one row: no stride to check
+    assert not grouped_gemm.torch_path_ok(w)  # CPU tensors never take the CUTLASS path
