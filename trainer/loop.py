@@ -61,7 +61,7 @@ from moe_launch.trainer.metrics import (
 )
 from moe_launch.trainer.model import build_model
 from moe_launch.trainer.moe.balance import BiasBalancer, summed_counts
-from moe_launch.trainer.moe.layer import MoELayer, check_precision, expert_weight_scope
+from moe_launch.trainer.moe.layer import MoELayer, check_precision, expert_weight_scope, warn_slow_expert_sizes
 from moe_launch.trainer.moe.skew import (
     ChunkedExperts,
     expert_bytes_per_row,
@@ -115,6 +115,7 @@ class Trainer(Restore, Checkpointing):
         self.param_dtype = param_dtype(t.param_dtype, self.dtype)
         if cfg.model.kind == "moe":  # before any parameter is allocated
             check_precision(cfg.model.moe.precision, device)
+            warn_slow_expert_sizes(cfg.model, device, self.dtype)
         per_pass = self.groups.data_size * t.micro_batch_size
         if t.global_batch_size % per_pass:
             raise ConfigError("train.global_batch_size", f"{t.global_batch_size} is not a multiple of data ranks "

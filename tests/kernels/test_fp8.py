@@ -262,3 +262,16 @@ def test_fp8_dims_are_checked_before_anything_runs():
     with pytest.raises(ValueError, match="multiples of 16"):
         fast_experts(x, idx, w_TK, *ws, precision="fp8")
     assert fast_experts(x, idx, w_TK, *ws, gemm_impl="reference", precision="fp8").shape == (T, D)  # emulated: any
+
+
+def test_sizes_that_keep_the_expert_gemms_off_cutlass_are_named():
+    """bf16 rows must be multiples of 8 elements for torch's grouped GEMM (16 bytes); the trainer warns, naming the
+    keys, when a model's sizes send its expert GEMMs to the slower Triton fallback."""
+    ok = ModelConfig(d_model=128, moe=MoEConfig(expert_hidden=256))
+    odd = ModelConfig(d_model=132, n_heads=6, moe=MoEConfig(expert_hidden=100))
+    assert layer_mod.slow_expert_sizes(ok, 2) == []
+    assert layer_mod.slow_expert_sizes(odd, 2) == ["model.d_model=132", "model.moe.expert_hidden=100"]
+    assert layer_mod.slow_expert_sizes(odd, 4) == []  # fp32: 4 elements per 16 bytes
+    odder = ModelConfig(d_model=130, n_heads=5, moe=MoEConfig(expert_hidden=102))
+    assert layer_mod.slow_expert_sizes(odder, 4) == ["model.d_model=130", "model.moe.expert_hidden=102"]
+    layer_mod.warn_slow_expert_sizes(odd, torch.device("cpu"), torch.bfloat16)  # not a GPU: nothing to say

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -29,6 +30,7 @@ from moe_launch.errors import ConfigError
 from moe_launch.trainer.moe.losses import expert_counts, load_balancing_loss, router_z_loss
 from moe_launch.trainer.moe.reference import experts_reference
 from moe_launch.trainer.moe.router import Router
+from moe_launch.trainer.tracking.steplog import LOGGER
 
 ExpertsFn = Callable[..., torch.Tensor]
 
@@ -79,6 +81,28 @@ def check_precision(precision: str, device: torch.device) -> None:
         raise ConfigError("model.moe.precision", f"fp8 needs an sm90 (Hopper) GPU with torch._scaled_grouped_mm; "
                           f"this layer is built on {device} ({name}, torch {torch.__version__})",
                           "set model.moe.precision=bf16, or run on H100/H200")
+
+
+def slow_expert_sizes(cfg: ModelConfig, element_size: int) -> list[str]:
+    """The sizes that keep the expert GEMMs off torch's CUTLASS grouped GEMM, whose operands' rows must be a multiple
+    of 16 bytes (at `element_size` bytes per element): those GEMMs then run in our Triton kernel, several times
+    slower (kernels/grouped_gemm.py). Pure."""
+    step = 16 // element_size
+    sizes = (("model.d_model", cfg.d_model), ("model.moe.expert_hidden", cfg.moe.expert_hidden))
+    return [f"{key}={size}" for key, size in sizes if size % step]
+
+
+def warn_slow_expert_sizes(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """Say so once, at build time, on a GPU where the CUTLASS path would otherwise run."""
+    if cfg.kind != "moe" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return
+    element_size = torch.empty((), dtype=dtype).element_size()
+    slow = slow_expert_sizes(cfg, element_size)
+    if slow:
+        step = 16 // element_size
+        logging.getLogger(LOGGER).warning(
+            f"{', '.join(slow)}: not a multiple of {step}, so the expert GEMMs cannot use torch's CUTLASS grouped "
+            f"GEMM and run in the Triton fallback, several times slower; multiples of {step} avoid that")
 
 
 def auto_experts(x_TD: torch.Tensor, *args, **kwargs) -> torch.Tensor:
