@@ -93,13 +93,13 @@ def slow_expert_sizes(cfg: ModelConfig, element_size: int) -> list[str]:
 
 
 def warn_slow_expert_sizes(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """Say so once, at build time, on a GPU where the CUTLASS path would otherwise run."""
-    if cfg.kind != "moe" or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    """Say so once, at build time, where the CUTLASS path would otherwise run: bf16 on an sm90 GPU."""
+    if (cfg.kind != "moe" or dtype != torch.bfloat16 or device.type != "cuda"
+            or torch.cuda.get_device_capability(device)[0] < 9):
         return
-    element_size = torch.empty((), dtype=dtype).element_size()
-    slow = slow_expert_sizes(cfg, element_size)
+    slow = slow_expert_sizes(cfg, dtype.itemsize)
     if slow:
-        step = 16 // element_size
+        step = 16 // dtype.itemsize
         logging.getLogger(LOGGER).warning(
             f"{', '.join(slow)}: not a multiple of {step}, so the expert GEMMs cannot use torch's CUTLASS grouped "
             f"GEMM and run in the Triton fallback, several times slower; multiples of {step} avoid that")
