@@ -41,7 +41,8 @@ class MoEConfig:
     # auto (FastSparseMoE kernels for CUDA tensors, the torch reference elsewhere) | fast (kernels/) | reference
     impl: str = "auto"
     # bf16 | fp8: the expert GEMMs of the kernels' forward and activation gradients in FP8 e4m3 with fine-grained
-    # scales (kernels/fp8.py; weight gradients stay bf16). Needs the kernels (impl auto or fast) on an sm90 GPU
+    # scales (kernels/fp8.py; weight gradients stay bf16). Needs the kernels (impl auto or fast) on an sm90 GPU, and
+    # model.d_model and expert_hidden multiples of FP8_DIM_MULTIPLE (checked in ModelConfig)
     precision: str = "bf16"
     # fp8: quantize each expert weight once per step rather than once per pass when a layer runs more than once in
     # a step (micro-batches, recomputed experts); the step holds each e4m3 copy (the weights' bf16 bytes again, over
