@@ -50,11 +50,12 @@ def scaled_mm(aq_TK, as_T, bq_KM, bs_M, emulate: bool) -> torch.Tensor:
 
 
 def operand(b_KM: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The b operand of torch._scaled_mm from a weight view: e4m3 column-major [K, M], one scale per column m."""
+    """The b operand of torch._scaled_mm from a weight view: e4m3 column-major [K, M], one scale per column m (the
+    grouped GEMM's operand with one group)."""
     from moe_launch.kernels import fp8
 
-    q_MK, s_M = fp8.quantize_rows(b_KM.t())
-    return q_MK.t(), s_M
+    q_1KM, s_1M = fp8.quantize_operand(b_KM[None])
+    return q_1KM[0], s_1M[0]
 
 
 def measure(lin: Linear, T: int, device, emulate: bool, rep_ms: int) -> dict:

@@ -219,11 +219,10 @@ class Trainer(Restore, Checkpointing):
                 previous[sig] = signal.signal(sig, self._request_stop)
         sink = None
         if self.rank == 0:
-            log.info(f"{self.groups.world_size} ranks (dp={self.groups.dp_size} ep={self.groups.ep_size} "
-                  f"pp={self.groups.pp_size}), "
-                  f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f}M parameters on rank 0, steps "
-                  f"{self.start_step}..{t.steps}, {self.accum_steps} micro-batches per step, compute {self.dtype}, "
-                     f"parameters {self.param_dtype}{self._expert_precision()}")
+            g, n_params = self.groups, sum(p.numel() for p in self.model.parameters())
+            log.info(f"{g.world_size} ranks (dp={g.dp_size} ep={g.ep_size} pp={g.pp_size}), {n_params / 1e6:.1f}M "
+                     f"parameters on rank 0, steps {self.start_step}..{t.steps}, {self.accum_steps} micro-batches per "
+                     f"step, compute {self.dtype}, parameters {self.param_dtype}{self._expert_precision()}")
             sink = MetricsSink(self.run_dir, t.steps, self.start_step, t.tracking, t.progress, config=asdict(self.cfg))
         code: Optional[int] = None
         self.heartbeat = HeartbeatWriter(self.run_dir, self.rank, self.host)
