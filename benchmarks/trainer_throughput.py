@@ -103,6 +103,10 @@ def main() -> None:
                  ("smoke-xs", tiny, 2, 1, 64, False, ())]
     else:
         fp8 = dataclasses.replace(base, moe=dataclasses.replace(base.moe, precision="fp8"))
+
+        def unfused(m):  # model.moe.grad_accumulation_fusion=false
+            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, grad_accumulation_fusion=False))
+
         l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
         cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
                  ("olmoe-4L-fp8", l4_fp8, 4, 1, 4096, True, ()),
@@ -125,6 +129,10 @@ def main() -> None:
                  ("olmoe-16L-fp8-8mb", fp8, 2, 8, 4096, True, ()),
                  ("olmoe-4L-4mb", l4, 4, 4, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb", l4_fp8, 4, 4, 4096, True, ()),
+                 # the expert weight gradients returned to autograd, which adds them to the gradient buffers
+                 ("olmoe-16L-8mb-unfused", unfused(base), 2, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-8mb-unfused", unfused(fp8), 2, 8, 4096, True, ()),
+                 ("olmoe-4L-fp8-4mb-unfused", unfused(l4_fp8), 4, 4, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),

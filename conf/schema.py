@@ -48,6 +48,10 @@ class MoEConfig:
     # a step (micro-batches, recomputed experts); the step holds each e4m3 copy (the weights' bf16 bytes again, over
     # all copies) until its last use in the step
     fp8_weight_reuse: bool = True
+    # the kernels add each expert weight's gradient to the optimizer's gradient buffer inside the backward (in the
+    # weight-gradient GEMM's epilogue on sm90) instead of returning it for autograd to add: one pass over the expert
+    # gradients less per micro-batch. Off: autograd accumulates, as for every other parameter
+    grad_accumulation_fusion: bool = True
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 

@@ -5,6 +5,7 @@ ignored on input and left unwritten on output), E local experts, K contraction d
 
   grouped_mm(a_NK, b_EKM)        c_NM[r] = a_NK[r] @ b_EKM[e(r)]           (forward, and activation gradients)
   grouped_mm_wgrad(a_NM, b_NK)   c_EMK[e] = a_NM[rows e]^T @ b_NK[rows e]  (weight gradients; 0 for empty experts)
+  grouped_mm_wgrad_add_(c, ...)  c_EMK[e] += the same                       (into a gradient buffer)
 
 b_EKM may be any strided view (callers pass w_EFD.transpose(1, 2) for x @ w^T). Paths, chosen per call:
   "torch"     torch.nn.functional.grouped_mm / torch._grouped_mm: CUDA sm90+, bf16 (CUTLASS grouped GEMM)
@@ -15,6 +16,8 @@ and each program finds its expert from per-expert tile counts kept on the device
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,29 +75,48 @@ def _gmm_wgrad_kernel(
     M, K,
     s_an, s_am, s_bn, s_bk, s_ce, s_cm, s_ck,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
 ):
-    e = tl.program_id(0)
-    ms = tl.program_id(1) * BM + tl.arange(0, BM)
-    ks = tl.program_id(2) * BN + tl.arange(0, BN)
+    tiles_m = tl.cdiv(M, BM)
+    tiles_k = tl.cdiv(K, BN)
+    pid = tl.program_id(0)
+    e = pid // (tiles_m * tiles_k)  # one expert's tiles run side by side, so its rows are read from L2
+    t = pid % (tiles_m * tiles_k)
+    m0 = (t // tiles_k) * BM
+    k0 = (t % tiles_k) * BN
+    ms = m0 + tl.arange(0, BM)
+    ks = k0 + tl.arange(0, BN)
     m_ok = ms < M
     k_ok = ks < K
     start = tl.load(offsets_ptr + e)
     end = tl.load(offsets_ptr + e + 1)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for r0 in range(start, end, BR):
-        rs = (r0 + tl.arange(0, BR)).to(tl.int64)
-        r_ok = rs < end
-        a = tl.load(a_ptr + rs[None, :] * s_an + ms[:, None] * s_am, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + rs[:, None] * s_bn + ks[None, :] * s_bk, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    tl.store(c_ptr + e.to(tl.int64) * s_ce + ms[:, None] * s_cm + ks[None, :] * s_ck, acc.to(c_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & k_ok[None, :])
+    if TMA:  # descriptors that end at the expert's last row: the rows past it load as zeros, no masks
+        rows = tl.maximum(end, 1)  # an expert without rows runs no iteration, but a descriptor needs a row
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[rows, M], strides=[s_an, 1], block_shape=[BR, BM])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[rows, K], strides=[s_bn, 1], block_shape=[BR, BN])
+        for r0 in range(start, end, BR):
+            acc = tl.dot(a_desc.load([r0, m0]).T, b_desc.load([r0, k0]), acc)
+    else:
+        for r0 in range(start, end, BR):
+            rs = (r0 + tl.arange(0, BR)).to(tl.int64)
+            r_ok = rs < end
+            a = tl.load(a_ptr + rs[None, :] * s_an + ms[:, None] * s_am, mask=m_ok[:, None] & r_ok[None, :],
+                        other=0.0)
+            b = tl.load(b_ptr + rs[:, None] * s_bn + ks[None, :] * s_bk, mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+    c_tile = c_ptr + e.to(tl.int64) * s_ce + ms[:, None] * s_cm + ks[None, :] * s_ck
+    c_ok = m_ok[:, None] & k_ok[None, :]
+    if ACCUMULATE:  # c += the product: a gradient buffer takes a micro-batch's share in the GEMM's epilogue
+        acc += tl.load(c_tile, mask=c_ok, other=0.0).to(tl.float32)
+    tl.store(c_tile, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
 def _tile(n: int, cap: int) -> int:
@@ -120,18 +142,63 @@ def grouped_mm_triton(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E, offsets
     return c_NM
 
 
-def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class WgradTiles:
+    BM: int
+    BN: int
+    BR: int
+    num_warps: int = 4
+    num_stages: int = 2
+    tma: bool = False
+
+
+def wgrad_tiles(M: int, K: int, cuda: bool, tma: bool) -> WgradTiles:
+    """Tile of the weight-gradient kernel. With TMA the one that ran fastest at the OLMoE shapes and close to it at
+    coarse and fine ones (benchmarks/wgrad_accumulate.py); on the CPU (interpreter) one program per expert where the
+    sizes allow."""
+    if not cuda:
+        return WgradTiles(_tile(M, 256), _tile(K, 256), 1024)
+    if tma:
+        return WgradTiles(128, 256, 64, num_warps=8, num_stages=3, tma=True)
+    return WgradTiles(_tile(M, 64), _tile(K, 64), 64)
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Rows our kernel can read through TMA descriptors: sm90+, 16-bit, unit last stride, 16-byte aligned."""
+    t0 = tensors[0]
+    if not t0.is_cuda or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all(t.dtype in (torch.bfloat16, torch.float16) and t.stride(-1) == 1 and aligned_16(t) for t in tensors)
+
+
+_allocator_set = False
+
+
+def _tma_allocator() -> None:
+    """Device-side TMA descriptors need scratch memory from the caller's allocator (torch's, here)."""
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _allocator_set = True
+
+
+def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: torch.Tensor,
+                            out_EMK: torch.Tensor | None = None, tiles: WgradTiles | None = None) -> torch.Tensor:
+    """out_EMK given: the products are added to it in place (its dtype; accumulated in fp32 inside the kernel)."""
     M, K = a_NM.shape[1], b_NK.shape[1]
     E = offsets_E1.numel() - 1
-    c_EMK = torch.empty(E, M, K, dtype=a_NM.dtype, device=a_NM.device)
+    c_EMK = out_EMK if out_EMK is not None else torch.empty(E, M, K, dtype=a_NM.dtype, device=a_NM.device)
     if E == 0:
         return c_EMK
     cuda = a_NM.is_cuda
-    BM, BN, BR = (_tile(M, 64), _tile(K, 64), 64) if cuda else (_tile(M, 256), _tile(K, 256), 1024)
-    grid = (E, triton.cdiv(M, BM), triton.cdiv(K, BN))
+    t = tiles or wgrad_tiles(M, K, cuda, tma_ok(a_NM, b_NK))
+    if t.tma:
+        _tma_allocator()
+    grid = (E * triton.cdiv(M, t.BM) * triton.cdiv(K, t.BN),)
     launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
-           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=BM, BN=BN, BR=BR, IEEE=a_NM.dtype == torch.float32,
-           UPCAST=not cuda)
+           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=t.BM, BN=t.BN, BR=t.BR,
+           IEEE=a_NM.dtype == torch.float32, UPCAST=not cuda, ACCUMULATE=out_EMK is not None, TMA=t.tma,
+           num_warps=t.num_warps, num_stages=t.num_stages)
     return c_EMK
 
 
@@ -207,3 +274,15 @@ def grouped_mm_wgrad(a_NM, b_NK, plan, impl: str = "auto") -> torch.Tensor:
     if impl == "triton":
         return grouped_mm_wgrad_triton(a_NM, b_NK, plan.offsets_E1)
     return grouped_mm_wgrad_reference(a_NM, b_NK, plan.offsets_E1)
+
+
+def grouped_mm_wgrad_add_(out_EMK: torch.Tensor, a_NM, b_NK, plan, impl: str = "auto") -> None:
+    """out_EMK += grouped_mm_wgrad(a_NM, b_NK, plan): how a gradient buffer takes one micro-batch's expert weight
+    gradients. Where the torch path would run and our kernel can read the rows through TMA, our kernel adds the old
+    values in its epilogue: about 10% faster than torch's GEMM followed by an add at the OLMoE shapes, though its
+    GEMM alone is slower (benchmarks/wgrad_accumulate.py). Elsewhere: the product, then an add."""
+    impl = pick(impl, a_NM, b_NK)
+    if impl == "triton" or (impl == "torch" and tma_ok(a_NM, b_NK)):
+        grouped_mm_wgrad_triton(a_NM, b_NK, plan.offsets_E1, out_EMK=out_EMK)
+    else:
+        out_EMK += grouped_mm_wgrad(a_NM, b_NK, plan, impl)

@@ -37,7 +37,7 @@ from moe_launch.conf.schema import FP8_DIM_MULTIPLE
 from moe_launch.kernels import fp8
 from moe_launch.kernels.fp8_weights import ExpertOperands, Operand
 from moe_launch.kernels.gather import gather_rows
-from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad
+from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_add_
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
 from moe_launch.kernels.reduce import combine, combine_bwd
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_bwd_fp8, swiglu_fwd, swiglu_fwd_fp8
@@ -47,7 +47,8 @@ PRECISIONS = ("bf16", "fp8")
 
 class _FastExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl, precision):
+    def forward(ctx, x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl, precision,
+                fuse_grads):
         E = w_gate_EFD.shape[0]
         plan = route_indices(idx_TK, e_start, e_start + E)
         x_TD = x_TD.contiguous()
@@ -68,6 +69,7 @@ class _FastExperts(torch.autograd.Function):
         weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
         ctx.save_for_backward(x_ND, g_NF, u_NF, y_ND, w_TK, *weights)
         ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.ops = plan, gemm_impl, x_TD.dtype, ops
+        ctx.fuse_grads = fuse_grads
         return y_TD
 
     @staticmethod
@@ -88,9 +90,11 @@ class _FastExperts(torch.autograd.Function):
             dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
         else:
             dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
-        dw_down = grouped_mm_wgrad(dy_ND, h_NF, plan, impl) if need[4] else None
-        dw_gate = grouped_mm_wgrad(dg_NF, x_ND, plan, impl) if need[2] else None
-        dw_up = grouped_mm_wgrad(du_NF, x_ND, plan, impl) if need[3] else None
+        w_EMK = (ops.w_gate_EFD, ops.w_up_EFD, ops.w_down_EDF) if ops is not None else weights
+        into = [grad_buffer(w) if ctx.fuse_grads else None for w in w_EMK]
+        dw_down = weight_grad(dy_ND, h_NF, plan, impl, need[4], into[2])
+        dw_gate = weight_grad(dg_NF, x_ND, plan, impl, need[2], into[0])
+        dw_up = weight_grad(du_NF, x_ND, plan, impl, need[3], into[1])
         dx_TD = None
         if need[0]:
             if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
@@ -102,8 +106,26 @@ class _FastExperts(torch.autograd.Function):
                 dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
         if ops is not None:  # fp8 takes the weights in their own dtype; the weight-gradient GEMMs run in bf16
             dw_gate, dw_up, dw_down = (None if d is None else d.to(w.dtype) for d, w in
-                                       ((dw_gate, ops.w_gate_EFD), (dw_up, ops.w_up_EFD), (dw_down, ops.w_down_EDF)))
-        return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None, None
+                                       ((dw_gate, w_EMK[0]), (dw_up, w_EMK[1]), (dw_down, w_EMK[2])))
+        return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None, None, None
+
+
+def grad_buffer(w: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a weight's backward may add into directly: a leaf's existing .grad of the weight's shape (the
+    optimizer's flat-buffer views, which it zeroes rather than frees). None: let autograd accumulate."""
+    g = w.grad if w.is_leaf and w.requires_grad else None
+    return g if g is not None and g.shape == w.shape and g.dtype in (torch.bfloat16, torch.float32) else None
+
+
+def weight_grad(a_NM, b_NK, plan: RoutePlan, impl: str, needed: bool, into: torch.Tensor | None):
+    """An expert weight's gradient for autograd to accumulate, or, with a gradient buffer given, added to it here
+    (in the GEMM's epilogue where kernels/grouped_gemm.py can) and None returned."""
+    if not needed:
+        return None
+    if into is None:
+        return grouped_mm_wgrad(a_NM, b_NK, plan, impl)
+    grouped_mm_wgrad_add_(into, a_NM, b_NK, plan, impl)
+    return None
 
 
 class _Fp8Gemms:
@@ -140,6 +162,7 @@ def fast_experts(
     e_start: int = 0,
     gemm_impl: str = "auto",
     precision: str = "bf16",
+    fuse_grad_accumulation: bool = False,
 ) -> torch.Tensor:
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
@@ -150,6 +173,9 @@ def fast_experts(
     that dtype; with precision="fp8" it runs in bf16 (the FP8 GEMMs' output dtype). Weight gradients come back in
     the weights' dtype (fp32 master weights get fp32 gradients). w_TK keeps its dtype (the reductions accumulate in
     fp32 either way). precision="fp8" inside kernels.fp8_weights.reuse_weights() quantizes each weight once per scope.
+    fuse_grad_accumulation (model.moe.grad_accumulation_fusion): a weight that is a leaf with a .grad already (the
+    trainer's gradient buffers) gets its gradient added to that .grad inside the backward, and autograd gets None
+    for it. For .backward() only: torch.autograd.grad callers leave it off.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"expert precision {precision!r} is not one of {PRECISIONS}")
@@ -165,4 +191,4 @@ def fast_experts(
         if precision != "fp8":  # fp8 quantizes the weights from their own dtype (kernels/fp8_weights.py)
             w_gate_EFD, w_up_EFD, w_down_EDF = (w.to(dt) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
     return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl,
-                              precision)
+                              precision, fuse_grad_accumulation)

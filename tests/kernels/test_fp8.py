@@ -234,7 +234,8 @@ def test_fp8_layer_is_refused_off_sm90_before_allocating(monkeypatch):
     with torch.device("meta"):  # where build_model builds is the device checked
         built = layer_mod.MoELayer(16, cfg)
     assert seen == [("fp8", torch.device("meta"))]
-    assert built.experts_fn.func is fast_experts and built.experts_fn.keywords == {"precision": "fp8"}
+    assert built.experts_fn.func is fast_experts
+    assert built.experts_fn.keywords == {"precision": "fp8", "fuse_grad_accumulation": True}
 
 
 def test_fp8_binds_the_kernels_precision():

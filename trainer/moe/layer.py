@@ -42,18 +42,21 @@ class RouterStats:
     counts_E: torch.Tensor  # int64 [E global], no gradient
 
 
-def resolve_experts_fn(impl: str, precision: str = "bf16") -> ExpertsFn:
+def resolve_experts_fn(impl: str, precision: str = "bf16", fuse_grads: bool = False) -> ExpertsFn:
+    """fuse_grads: model.moe.grad_accumulation_fusion, for the kernels (the reference lets autograd accumulate)."""
     if impl == "reference":
         return experts_reference
     if impl == "auto" and precision == "bf16":
-        return auto_experts
+        return functools.partial(auto_experts, fuse_grad_accumulation=True) if fuse_grads else auto_experts
     try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
         from moe_launch.kernels.moe import fast_experts
     except ImportError as e:
         key = "model.moe.impl" if precision == "bf16" else "model.moe.precision"
         raise ConfigError(key, f"the FastSparseMoE kernels cannot be imported ({e})",
                           "install the kernels (triton), or use model.moe.impl=reference with precision=bf16") from e
-    return fast_experts if precision == "bf16" else functools.partial(fast_experts, precision=precision)
+    kwargs = {k: v for k, v in (("precision", precision), ("fuse_grad_accumulation", fuse_grads)) if v not in
+              ("bf16", False)}
+    return functools.partial(fast_experts, **kwargs) if kwargs else fast_experts
 
 
 def expert_weight_scope(cfg: ModelConfig, passes: int, recompute: list[str]) -> Callable[[], ContextManager]:
@@ -105,12 +108,12 @@ def warn_slow_expert_sizes(cfg: ModelConfig, device: torch.device, dtype: torch.
             f"GEMM and run in the Triton fallback, several times slower; multiples of {step} avoid that")
 
 
-def auto_experts(x_TD: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False, **kwargs) -> torch.Tensor:
     """model.moe.impl=auto: the FastSparseMoE kernels on CUDA tensors, the torch reference on anything else (the
     kernels run on CPU only through Triton's slow interpreter)."""
     if x_TD.is_cuda:
         from moe_launch.kernels.moe import fast_experts
-        return fast_experts(x_TD, *args, **kwargs)
+        return fast_experts(x_TD, *args, fuse_grad_accumulation=fuse_grad_accumulation, **kwargs)
     return experts_reference(x_TD, *args, **kwargs)
 
 
@@ -136,7 +139,7 @@ class MoELayer(nn.Module):
         self.w_down_EDF = nn.Parameter(torch.empty(E_local, d_model, cfg.expert_hidden))
         for p in (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF):
             p._moe_expert = True  # optimizers and checkpoints treat expert weights as EP-sharded
-        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision)
+        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision, cfg.grad_accumulation_fusion)
         self.dispatcher = local_dispatch
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
