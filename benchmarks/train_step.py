@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 
@@ -39,9 +38,6 @@ from moe_launch.trainer.moe.layer import expert_weight_scope
 from moe_launch.trainer.parallel.groups import build_groups
 from moe_launch.trainer.parallel.optimizer import build_optimizer
 from moe_launch.trainer.tracking.flops import flops_per_token, spec_peak
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trace_attribution import attribute  # noqa: E402
 
 
 def dense_rate(device, n: int) -> float:
@@ -177,26 +173,14 @@ def phase_breakdown(model, opt, inputs, targets, device, use_autocast) -> dict:
 
 
 def profile_step(step_fn, device, out_dir) -> list:
-    """One step under the torch profiler: the top CUDA kernels by total time, a chrome trace in out_dir, and where the
-    device's idle gaps and its copies come from (trace_attribution.py)."""
+    """One step under the torch profiler: the top CUDA kernels by total time (and a chrome trace in out_dir)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step_fn()
         sync(device)
     os.makedirs(out_dir, exist_ok=True)
-    trace_path = os.path.join(out_dir, "train_step_trace.json")
-    prof.export_chrome_trace(trace_path)
-    with open(trace_path) as f:
-        where = attribute(json.load(f), (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + "/",))
-    with open(os.path.join(out_dir, "train_step_attribution.json"), "w") as f:  # idle gaps and copies, by place
-        json.dump(where, f, indent=1)
-    print(f"device span {where['span_ms']:.1f} ms, idle {where['idle_ms']:.1f} ms; idle by place (ms, gaps):")
-    for r in where["idle"]:
-        print(f"  {r['ms']:8.2f} {r['count']:5d}  {r['place']} / {r['what']}")
-    print("copies by place (ms, kernels):")
-    for r in where["kernels_by_origin"]:
-        print(f"  {r['ms']:8.2f} {r['count']:5d}  {r['place']} / {r['what']}")
+    prof.export_chrome_trace(os.path.join(out_dir, "train_step_trace.json"))
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     with open(os.path.join(out_dir, "train_step_profile.txt"), "w") as f:
         f.write(table)

@@ -29,21 +29,14 @@ import triton.testing
 from moe_launch.kernels.grouped_gemm import WgradTiles, grouped_mm_wgrad_reference, grouped_mm_wgrad_triton, wgrad_tiles
 from moe_launch.kernels.index_gen import route_indices
 
-TILES = {  # name -> tile; "tma": rows read through TMA descriptors that end at the expert's last row; "pf": the
-    # old gradient loaded before the products (into the accumulator) rather than after them
-    "128x256x64 w8 s3": WgradTiles(128, 256, 64, 8, 3),
+TILES = {  # name -> tile; "tma": rows read through TMA descriptors that end at the expert's last row. The layer
+    # runs grouped_gemm.wgrad_tiles (the first TMA one)
     "tma 128x256x64 w8 s3": WgradTiles(128, 256, 64, 8, 3, tma=True),
     "tma 128x256x64 w8 s4": WgradTiles(128, 256, 64, 8, 4, tma=True),
     "tma 256x128x64 w8 s3": WgradTiles(256, 128, 64, 8, 3, tma=True),
     "tma 128x256x32 w8 s5": WgradTiles(128, 256, 32, 8, 5, tma=True),
-    "tma pf 128x256x64 w8 s3": WgradTiles(128, 256, 64, 8, 3, tma=True, prefetch=True),
-    "tma pf 128x256x64 w8 s4": WgradTiles(128, 256, 64, 8, 4, tma=True, prefetch=True),
-    "tma pf 256x128x64 w8 s3": WgradTiles(256, 128, 64, 8, 3, tma=True, prefetch=True),
-    "tma pf 128x128x64 w8 s4": WgradTiles(128, 128, 64, 8, 4, tma=True, prefetch=True),
-    "tma pf 128x128x64 w8 s3": WgradTiles(128, 128, 64, 8, 3, tma=True, prefetch=True),
-    "tma pf 128x128x64 w4 s3": WgradTiles(128, 128, 64, 4, 3, tma=True, prefetch=True),
-    "tma pf 128x128x32 w4 s5": WgradTiles(128, 128, 32, 4, 5, tma=True, prefetch=True),
     "tma 128x128x64 w4 s3": WgradTiles(128, 128, 64, 4, 3, tma=True),
+    "128x256x64 w8 s3": WgradTiles(128, 256, 64, 8, 3),
 }
 
 
@@ -84,7 +77,7 @@ def measure(T: int, D: int, F: int, E: int, K: int, smoke: bool, log) -> list[di
                 lambda a=a_NM, b=b_NK: torch._grouped_mm(a.t(), b, offs=plan.ends_E))
             row["ms"]["torch + add"] = triton.testing.do_bench(
                 lambda a=a_NM, b=b_NK, g=grad: g.add_(torch._grouped_mm(a.t(), b, offs=plan.ends_E)))
-        tiles = {"cpu": wgrad_tiles(M, Kc, False)} if smoke else TILES
+        tiles = {"cpu": wgrad_tiles(M, Kc, False, False)} if smoke else TILES
         for tname, tile in tiles.items():
             grad = grad0.clone()
             try:

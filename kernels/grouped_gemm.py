@@ -77,13 +77,11 @@ def _gmm_wgrad_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
 ):
-    tiles_m = tl.cdiv(M, BM)
-    tiles_k = tl.cdiv(K, BN)
-    pid = tl.program_id(0)
-    e = pid // (tiles_m * tiles_k)  # one expert's tiles run side by side, so its rows are read from L2
-    t = pid % (tiles_m * tiles_k)
-    m0 = (t // tiles_k) * BM
-    k0 = (t % tiles_k) * BN
+    # grid (K tiles, M tiles, E): blocks start x-fastest, so one expert's tiles run side by side and its rows are
+    # read from L2
+    k0 = tl.program_id(0) * BN
+    m0 = tl.program_id(1) * BM
+    e = tl.program_id(2)
     ms = m0 + tl.arange(0, BM)
     ks = k0 + tl.arange(0, BN)
     m_ok = ms < M
@@ -194,7 +192,7 @@ def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: 
     t = tiles or wgrad_tiles(M, K, cuda, tma_ok(a_NM, b_NK))
     if t.tma:
         _tma_allocator()
-    grid = (E * triton.cdiv(M, t.BM) * triton.cdiv(K, t.BN),)
+    grid = (triton.cdiv(K, t.BN), triton.cdiv(M, t.BM), E)
     launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
            b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=t.BM, BN=t.BN, BR=t.BR,
            IEEE=a_NM.dtype == torch.float32, UPCAST=not cuda, ACCUMULATE=out_EMK is not None, TMA=t.tma,

@@ -1,7 +1,7 @@
-"""Compile the FP8 path's Triton kernels for sm90 (Hopper) on a machine without a GPU: Triton's own front end and
-ptxas, with every constexpr variant the layer launches. Run by test_sm90_compile.py in a fresh interpreter, since
-a process that imported moe_launch.kernels without a GPU has Triton in interpreter mode. Prints one line per kernel
-variant; exits non-zero on the first failure."""
+"""Compile the FP8 path's Triton kernels and the accumulating weight-gradient GEMM (TMA reads) for sm90 (Hopper)
+on a machine without a GPU: Triton's own front end and ptxas, with every constexpr variant the layer launches. Run
+by test_sm90_compile.py in a fresh interpreter, since a process that imported moe_launch.kernels without a GPU has
+Triton in interpreter mode. Prints one line per kernel variant; exits non-zero on the first failure."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ import triton  # first, before moe_launch.kernels: compiled mode
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_launch.kernels import fp8, swiglu
+from moe_launch.kernels import fp8, grouped_gemm, swiglu
 
 SM90 = GPUTarget("cuda", 90, 32)
 I32, I64, C = "i32", "i64", "constexpr"
 
 
-def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object]) -> None:
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90)
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], **options) -> None:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90,
+                            options=options or None)
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
     print(f"ok {fn.__name__} {constexprs}")
 
@@ -44,6 +45,13 @@ def main() -> None:
         compile_sm90(fp8._quant_rows_kernel, quant_rows, {"POW2": True, "HAS_NUM_ROWS": tail, "SOFT_ROUND": False,
                                                           "HAS_TAIL": tail, "BLOCK_R": block_r, "BLOCK_C": block_c,
                                                           "ONE_PASS": one_pass})
+    wgrad = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "offsets_ptr": "*i32", "M": I32, "K": I32,
+             **{f"s_{n}": I32 for n in ("an", "am", "bn", "bk", "ce", "cm", "ck")},
+             "BM": C, "BN": C, "BR": C, "IEEE": C, "UPCAST": C, "ACCUMULATE": C, "TMA": C}
+    t = grouped_gemm.wgrad_tiles(1024, 2048, cuda=True, tma=True)  # what the layer launches into a gradient buffer
+    compile_sm90(grouped_gemm._gmm_wgrad_kernel, wgrad, {"BM": t.BM, "BN": t.BN, "BR": t.BR, "IEEE": False,
+                                                         "UPCAST": False, "ACCUMULATE": True, "TMA": True},
+                 num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 if __name__ == "__main__":
