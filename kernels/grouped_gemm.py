@@ -27,6 +27,18 @@ from moe_launch.kernels._launch import launch, next_pow2
 
 
 @triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _gmm_kernel(
     a_ptr, b_ptr, c_ptr,  # a [N, K]; b [E, K, M] (any strides); c [N, M]
     offsets_ptr, tile_ends_ptr,  # int32 [E+1] row offsets; int32 [E] cumulative BM-row tiles per expert
@@ -57,13 +69,7 @@ def _gmm_kernel(
         k_ok = ks < K
         a = tl.load(a_base + ks[None, :] * s_ak, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_base + ks[:, None] * s_bk, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _dot(a, b, acc, IEEE, UPCAST)
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cn + cols[None, :] * s_cm, acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -103,13 +109,7 @@ def _gmm_wgrad_kernel(
                         other=0.0)
             b = tl.load(b_ptr + rs[:, None] * s_bn + ks[None, :] * s_bk, mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)
-            if UPCAST:  # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly; fp32 there is exact enough
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+            acc = _dot(a, b, acc, IEEE, UPCAST)
     c_tile = c_ptr + e.to(tl.int64) * s_ce + ms[:, None] * s_cm + ks[None, :] * s_ck
     c_ok = m_ok[:, None] & k_ok[None, :]
     if ACCUMULATE:  # c += the product: a gradient buffer takes a micro-batch's share in the GEMM's epilogue
