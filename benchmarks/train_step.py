@@ -26,6 +26,7 @@ import time
 import traceback
 
 import torch
+from device_idle import idle_gaps, sync_sites
 
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ParallelConfig, TrainConfig
@@ -188,6 +189,16 @@ def profile_step(step_fn, device, out_dir) -> list:
                  key=lambda e: -e.self_device_time_total)
     with open(os.path.join(out_dir, "train_step_kernels.json"), "w") as f:  # every kernel: self device ms, calls
         json.dump([(e.key, e.self_device_time_total / 1e3, e.count) for e in top], f, indent=0)
+    idle = idle_gaps(os.path.join(out_dir, "train_step_trace.json"))
+    sites = sync_sites(step_fn) if device.type == "cuda" else []
+    with open(os.path.join(out_dir, "train_step_idle.json"), "w") as f:
+        json.dump({"idle": idle, "sync_sites": sites}, f, indent=1)
+    print(f"device idle in the profiled step: {idle['idle_ms']:.1f} of {idle['window_ms']:.1f} ms, "
+          f"{idle['gaps']} gaps", flush=True)
+    for c in idle["by_cause"]:
+        print(f"  {c['ms']:8.2f} ms {c['gaps']:5d}  {c['cause']}", flush=True)
+    for s in sites[:8]:
+        print(f"host sync x{s['count']}:\n{s['stack']}", flush=True)
     return [(e.key[:60], round(e.self_device_time_total / 1e3, 2), e.count) for e in top[:25]]
 
 

@@ -107,6 +107,9 @@ def main() -> None:
         def unfused(m):  # model.moe.grad_accumulation_fusion=false
             return dataclasses.replace(m, moe=dataclasses.replace(m.moe, grad_accumulation_fusion=False))
 
+        def router_fp32(m):  # model.moe.router_gemm=fp32
+            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, router_gemm="fp32"))
+
         l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
         cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
                  ("olmoe-4L-fp8", l4_fp8, 4, 1, 4096, True, ()),
@@ -133,6 +136,11 @@ def main() -> None:
                  ("olmoe-16L-8mb-unfused", unfused(base), 2, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-8mb-unfused", unfused(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-unfused", unfused(l4_fp8), 4, 4, 4096, True, ()),
+                 # the same tokens per step as 8 micro-batches of 2x4096, in 4 of 4x4096: larger GEMMs, more memory
+                 ("olmoe-16L-4x-4mb", base, 4, 4, 4096, True, ()),
+                 # the router's GEMMs in fp32 on the CUDA cores
+                 ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
+                 ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),

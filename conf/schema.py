@@ -52,6 +52,10 @@ class MoEConfig:
     # weight-gradient GEMM's epilogue on sm90) instead of returning it for autograd to add: one pass over the expert
     # gradients less per micro-batch. Off: autograd accumulates, as for every other parameter
     grad_accumulation_fusion: bool = True
+    # the router's GEMMs with bf16 parameters: bf16 (tensor cores, fp32 accumulation; the logits come out fp32 and
+    # equal the fp32 GEMM's, the backward rounds the logits' gradient to bf16 first) | fp32 (all three GEMMs in fp32
+    # on the CUDA cores, several times slower). fp32 parameters always take fp32
+    router_gemm: str = "bf16"
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
@@ -71,6 +75,7 @@ class MoEConfig:
         require(not (self.precision == "fp8" and self.impl == "reference"), "model.moe.precision",
                 "fp8 runs in the FastSparseMoE kernels, but model.moe.impl=reference selects the plain-torch experts",
                 "set model.moe.impl=fast (or auto), or model.moe.precision=bf16")
+        one_of(self.router_gemm, ("bf16", "fp32"), "model.moe.router_gemm")
         one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
         one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
         require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",

@@ -232,8 +232,9 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
 # K and N: "large" (two of m, K, N >= 2048) gets 128x128x128 tiles, other shapes with m, N > 128 get 128x256x64,
 # which with fp32 promotion (use_fast_accum=False) runs at about half the rate. Handing it more rows (never read:
 # the groups end at offs[-1]) makes a GEMM with K or N >= 2048 "large" (benchmarks/fp8_gemms.py measures both).
-# The presented rows cost memory while the GEMM runs (the padded copy of a and torch's output; no compute): at most
-# MAX_PRESENTED_FACTOR times the real ones, which covers 512 rows per group and more.
+# The presented rows cost memory while the GEMM runs (a with that many rows and torch's output; no compute): at most
+# MAX_PRESENTED_FACTOR times the real ones, which covers 512 rows per group and more. Producers that know the count
+# (kernels/moe.py _Fp8Gemms.presented) write a into a buffer that long, so that a is not copied to present it.
 LARGE_TILE_DIM = 2048
 MAX_PRESENTED_FACTOR = 4
 
@@ -253,18 +254,21 @@ def rows_to_present(rows: int, groups: int, K: int, M: int) -> int:
 
 
 def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x with `rows` rows along dim 0: x's own rows first, the rest unspecified (no kernel reads them)."""
-    if x.shape[0] == rows:
-        return x
+    """x with `rows` rows along dim 0: x's own rows first, the rest unspecified (no kernel reads them). A view where
+    x has that many rows or more (a producer allocated them), a copy where it has fewer."""
+    if x.shape[0] >= rows:
+        return x if x.shape[0] == rows else x[:rows]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     out[:x.shape[0]].copy_(x)
     return out
 
 
-def scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, ends_E, compact: bool = True) -> torch.Tensor:
+def scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, ends_E, compact: bool = True,
+                            n_rows: int | None = None) -> torch.Tensor:
     """`compact`: an output computed over presented rows is copied back to N rows (False: an [N, M] view of the
-    larger buffer, for outputs used once and freed, where the copy would cost more than the memory)."""
-    N, K = aq_NK.shape
+    larger buffer, for outputs used once and freed, where the copy would cost more than the memory). n_rows: N, where
+    aq_NK and as_N hold more rows than that (already presented; default: all of aq_NK's)."""
+    N, K = (n_rows if n_rows is not None else aq_NK.shape[0]), aq_NK.shape[1]
     rows = rows_to_present(N, bq_EKM.shape[0], K, bq_EKM.shape[2])
     # use_fast_accum=False: CUTLASS promotes the tensor cores' partial sums into fp32 accumulators
     c = torch._scaled_grouped_mm(_with_rows(aq_NK, rows), bq_EKM, _with_rows(as_N, rows), bs_EM, offs=ends_E,
@@ -285,14 +289,16 @@ def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch
 
 
 def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch", compact: bool = True) -> torch.Tensor:
-    """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16.
+    """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16, N rows.
     impl: "torch" (sm90; anything else is refused here rather than silently slow) | "reference". compact=False lets
-    the result be a view of a larger buffer (see scaled_grouped_mm_torch)."""
+    the result be a view of a larger buffer (see scaled_grouped_mm_torch). aq_NK and as_N may hold more than the
+    plan's N rows (a producer's presented rows)."""
+    N = plan.row_token_N.numel()
     if impl == "reference":
-        return scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, plan.offsets_E1)
+        return scaled_grouped_mm_reference(aq_NK[:N], as_N[:N], bq_EKM, bs_EM, plan.offsets_E1)
     if impl != "torch":
         raise ValueError(f"FP8 grouped GEMM impl {impl!r} is not one of ('torch', 'reference')")
     if not fp8_gemm_supported(aq_NK.device):
         raise RuntimeError(f"the FP8 grouped GEMM (torch._scaled_grouped_mm) needs an sm90 GPU; got {aq_NK.device} "
                            "(use precision='bf16', or gemm_impl='reference' for the slow fp32 emulation)")
-    return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E, compact)
+    return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E, compact, n_rows=N)

@@ -33,10 +33,11 @@ def _gather_kernel(
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], v, mask=mask)
 
 
-def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor,
+                       capacity: int = 0) -> torch.Tensor:
     x_TD = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
     N, D = row_token_N.numel(), x_TD.shape[1]
-    out_ND = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
+    out_ND = torch.empty(max(N, capacity), D, dtype=x_TD.dtype, device=x_TD.device)
     if N == 0:
         return out_ND
     BLOCK_D = min(next_pow2(D), 512)
@@ -47,13 +48,17 @@ def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: 
     return out_ND
 
 
-def gather_rows_reference(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+def gather_rows_reference(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor,
+                          capacity: int = 0) -> torch.Tensor:
     """Same contract; rows >= R are zero here (any value is allowed there)."""
     valid = row_token_N >= 0
-    return torch.where(valid[:, None], x_TD[row_token_N.clamp(min=0).long()], 0).to(x_TD.dtype)
+    out_ND = torch.where(valid[:, None], x_TD[row_token_N.clamp(min=0).long()], 0).to(x_TD.dtype)
+    extra = capacity - out_ND.shape[0]
+    return torch.cat([out_ND, out_ND.new_zeros(extra, out_ND.shape[1])]) if extra > 0 else out_ND
 
 
 def gather_rows(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: torch.Tensor,
-                impl: str = "triton") -> torch.Tensor:
+                impl: str = "triton", capacity: int = 0) -> torch.Tensor:
+    """capacity: the buffer holds max(N, capacity) rows (a GEMM's presented rows: kernels/fp8.py); past N unused."""
     fn = gather_rows_triton if impl == "triton" else gather_rows_reference
-    return fn(x_TD, row_token_N, num_rows)
+    return fn(x_TD, row_token_N, num_rows, capacity)

@@ -59,7 +59,8 @@ class _FastExperts(torch.autograd.Function):
             Fh = w_gate_EFD.shape[1]
             gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
             g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
-            y_ND = mm(*swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows), ops.down())  # h itself is never written
+            hq_ND, hs_N = swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows, capacity=mm.presented(Fh, x_TD.shape[1]))
+            y_ND = mm(hq_ND, hs_N, ops.down())  # h itself is never written
         else:
             g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
             u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
@@ -81,7 +82,8 @@ class _FastExperts(torch.autograd.Function):
         fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
         dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
         if fp8_mm is not None:
-            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK), ops.down_t(), saved=False)
+            rows = fp8_mm.presented(dy_TD.shape[1], g_NF.shape[1])
+            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK, rows), ops.down_t(), saved=False)
         else:
             w_gate_EFD, w_up_EFD, w_down_EDF = weights
             dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
@@ -140,16 +142,24 @@ class _Fp8Gemms:
         """saved=False: the result is used once and freed, so it may be a view of a larger buffer."""
         return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, self.impl, compact=saved)
 
-    def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None):
+    def presented(self, K: int, M: int) -> int:
+        """How many rows an [N, K] @ [E, K, M] GEMM hands torch (kernels/fp8.py rows_to_present): the capacity its
+        a operand's producer allocates, so that it is not copied there."""
+        if self.impl != "torch":
+            return 0
+        return fp8.rows_to_present(self.plan.row_token_N.numel(), self.plan.ends_E.numel(), K, M)
+
+    def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None, capacity: int = 0):
         """Rows r of the expert-sorted buffer hold w[t,k] * v[t] (w_TK None: v[t]): quantize the T tokens once and
-        gather their e4m3 rows; a row's scale is the token's scale times w[t,k] (exact: the codes do not change)."""
+        gather their e4m3 rows; a row's scale is the token's scale times w[t,k] (exact: the codes do not change).
+        capacity: the e4m3 rows' buffer holds that many rows at least (presented)."""
         p = self.plan
         q_TD, s_T = fp8.quantize_rows(v_TD)
         tok_N = p.row_token_N.clamp(min=0)  # rows >= R: any valid index (never read)
         s_N = s_T.index_select(0, tok_N)
         if w_TK is not None:
             s_N = s_N * w_TK.reshape(-1).float().index_select(0, p.row_pair_N.clamp(min=0))
-        return gather_rows(q_TD, p.row_token_N, p.num_rows), s_N
+        return gather_rows(q_TD, p.row_token_N, p.num_rows, capacity=capacity), s_N
 
 
 def fast_experts(

@@ -126,15 +126,16 @@ def fuses_fp8(Fdim: int) -> bool:
     return Fdim <= _MAX_BLOCK_F
 
 
-def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor):
+def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor, capacity: int = 0):
     """-> (hq_NF e4m3, hs_N fp32): h quantized per row as kernels.fp8.quantize_rows(h) would, bit for bit, without
-    writing h itself where the row fits one tile; else swiglu_fwd then quantize_rows."""
+    writing h itself where the row fits one tile; else swiglu_fwd then quantize_rows. capacity: where fused, the
+    outputs hold max(N, capacity) rows (the down GEMM's presented rows, kernels/fp8.py); past N unused."""
     N, Fdim = g_NF.shape
     if not fuses_fp8(Fdim):
         return quantize_rows(swiglu_fwd(g_NF, u_NF, num_rows), num_rows)
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
-    q_NF = torch.empty(N, Fdim, dtype=E4M3, device=g_NF.device)
-    s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device)
+    q_NF = torch.empty(max(N, capacity), Fdim, dtype=E4M3, device=g_NF.device)
+    s_N = torch.empty(max(N, capacity), dtype=torch.float32, device=g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
     launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, Fdim, g_NF.stride(0), u_NF.stride(0),
            0, q_NF.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=True, SOFT_ROUND=not g_NF.is_cuda)

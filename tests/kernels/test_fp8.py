@@ -5,13 +5,18 @@ model.moe.precision checks. The fast GEMM (torch._scaled_grouped_mm, sm90) is ch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from kernel_helpers import random_idx, rel_err
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.errors import ConfigError
-from moe_launch.kernels import fp8
+from moe_launch.kernels import fp8, gather, swiglu
 from moe_launch.kernels.grouped_gemm import grouped_mm_reference
 from moe_launch.kernels.index_gen import route_indices
 from moe_launch.kernels.moe import _Fp8Gemms, fast_experts
@@ -169,6 +174,38 @@ def test_presented_rows_keep_the_operand_and_add_unread_ones():
     assert fp8._with_rows(x, 10) is x
     y = fp8._with_rows(x, 32)
     assert y.shape == (32, 4) and torch.equal(y[:10], x)
+    big = torch.randn(40, 4)  # a producer already allocated the presented rows: a view, no copy
+    z = fp8._with_rows(big, 32)
+    assert z.shape == (32, 4) and z.data_ptr() == big.data_ptr()
+
+
+def test_operands_with_presented_rows_give_the_plans_rows():
+    gen = _gen()
+    plan = _plan(50, 2, 4, gen)
+    N, Kd, M = plan.capacity, 32, 16
+    aq, as_ = fp8.quantize_rows(torch.randn(N, Kd, generator=gen))
+    bq, bs = fp8.quantize_operand(torch.randn(4, Kd, M, generator=gen))
+    long_q = torch.cat([aq, torch.zeros(3 * N, Kd, dtype=aq.dtype)])
+    long_s = torch.cat([as_, torch.ones(3 * N)])
+    c = fp8.scaled_grouped_mm(long_q, long_s, bq, bs, plan, impl="reference")
+    assert c.shape == (N, M) and torch.equal(c, fp8.scaled_grouped_mm(aq, as_, bq, bs, plan, impl="reference"))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_producers_allocate_the_presented_rows(impl):
+    gen = _gen()
+    plan = _plan(40, 2, 4, gen)
+    N = plan.capacity
+    x = torch.randn(40, 24, generator=gen)
+    plain = gather.gather_rows(x, plan.row_token_N, plan.num_rows, impl=impl)
+    long = gather.gather_rows(x, plan.row_token_N, plan.num_rows, impl=impl, capacity=3 * N)
+    R = int(plan.num_rows)
+    assert long.shape == (3 * N, 24) and torch.equal(long[:R], plain[:R])
+    gu = torch.randn(N, 64, generator=gen).bfloat16()
+    hq, hs = swiglu.swiglu_fwd_fp8(gu[:, :32], gu[:, 32:], plan.num_rows)
+    hq3, hs3 = swiglu.swiglu_fwd_fp8(gu[:, :32], gu[:, 32:], plan.num_rows, capacity=3 * N)
+    assert hq3.shape == (3 * N, 32) and hs3.shape == (3 * N,)
+    assert torch.equal(hq3[:R].view(torch.uint8), hq[:R].view(torch.uint8)) and torch.equal(hs3[:R], hs[:R])
 
 
 def test_gathered_rows_fold_the_routing_weight_into_the_scale():
@@ -276,3 +313,14 @@ def test_sizes_that_keep_the_expert_gemms_off_cutlass_are_named():
     odder = ModelConfig(d_model=130, n_heads=5, moe=MoEConfig(expert_hidden=102))
     assert layer_mod.slow_expert_sizes(odder, 4) == ["model.d_model=130", "model.moe.expert_hidden=102"]
     layer_mod.warn_slow_expert_sizes(odd, torch.device("cpu"), torch.bfloat16)  # not a GPU: nothing to say
+
+
+@pytest.mark.skipif(not fp8.fp8_gemm_supported("cuda") if torch.cuda.is_available() else True,
+                    reason="needs an sm90 GPU (torch._scaled_grouped_mm)")
+def test_presented_rows_on_the_gpu():
+    """The compiled path with producer buffers longer than the plan's rows: gpu_fp8_presented.py in a process
+    without TRITON_INTERPRET (this folder's tests interpret Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_fp8_presented.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -54,6 +54,47 @@ def sinkhorn_log_scores(logits_TE: torch.Tensor, rounds: int = SINKHORN_ROUNDS) 
     return log_TE
 
 
+# torch.mm(..., out_dtype=fp32) on bf16 operands (torch >= 2.8, CUDA): tensor cores with the fp32 accumulator
+# written out as is
+_MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.is_cuda and _MM_FP32_OUT:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()  # the same numbers: bf16 products are exact in fp32
+
+
+class _Bf16Logits(torch.autograd.Function):
+    """fp32 logits of bf16 tokens and a bf16 router weight. The forward gives the fp32 GEMM's result (the products of
+    bf16 values are exact in fp32, the sum is fp32) at the bf16 tensor-core rate, not the fp32 SIMT one, and without
+    fp32 copies of the tokens. The backward rounds the logits' gradient to bf16 for two bf16 GEMMs (fp32
+    accumulation): both gradients are rounded to bf16 afterwards anyway."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        return _mm_fp32_out(x_TD, w_ED.t())
+
+    @staticmethod
+    def backward(ctx, g_TE: torch.Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = g_TE.to(x_TD.dtype)
+        dx_TD = g_TE @ w_ED if ctx.needs_input_grad[0] else None
+        dw_ED = g_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        return dx_TD, dw_ED
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, gemm: str = "bf16") -> torch.Tensor:
+    """fp32 logits [T, E] whatever the operands' dtype (autocast off: the softmax and the z-loss are sensitive to
+    rounding). gemm (model.moe.router_gemm) "bf16" runs bf16 operands on the tensor cores (_Bf16Logits); anything
+    else is an fp32 GEMM."""
+    with torch.autocast(device_type=x_TD.device.type, enabled=False):
+        if gemm == "bf16" and x_TD.dtype == w_ED.dtype == torch.bfloat16:
+            return _Bf16Logits.apply(x_TD, w_ED)
+        return F.linear(x_TD.float(), w_ED.float())
+
+
 Select = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]  # (logits_TE, probs_TE, K) -> idx_TK
 
 
@@ -73,7 +114,7 @@ class Router(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
-        self.norm_topk_prob, self.balance = cfg.norm_topk_prob, cfg.balance
+        self.norm_topk_prob, self.balance, self.gemm = cfg.norm_topk_prob, cfg.balance, cfg.router_gemm
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, d_model))
         self.expert_bias_E: Optional[nn.Parameter] = None
         if cfg.balance == "aux_free_bias":
@@ -90,9 +131,7 @@ class Router(nn.Module):
         return (probs_TE.detach() + self.expert_bias_E.float()).topk(K, dim=-1).indices
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
-        # fp32 logits even under bf16 autocast: the softmax and the z-loss are sensitive to rounding
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = F.linear(x_TD.float(), self.weight.float())
+        logits_TE = router_logits(x_TD, self.weight, self.gemm)
         probs_TE = logits_TE.softmax(dim=-1)
         idx_TK = self.select(logits_TE.detach(), probs_TE, self.top_k)
         w_TK = probs_TE.gather(1, idx_TK)
