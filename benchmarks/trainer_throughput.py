@@ -138,6 +138,8 @@ def main() -> None:
                  ("olmoe-4L-fp8-4mb-unfused", unfused(l4_fp8), 4, 4, 4096, True, ()),
                  # the same tokens per step as 8 micro-batches of 2x4096, in 4 of 4x4096: larger GEMMs, more memory
                  ("olmoe-16L-4x-4mb", base, 4, 4, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-4mb", fp8, 4, 4, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-4mb-xs", fp8, 4, 4, 4096, True, ()),
                  # the router's GEMMs in fp32 on the CUDA cores
                  ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),

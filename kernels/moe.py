@@ -10,7 +10,8 @@ Forward (Optimus Algorithm 1, stages 2-5; stage 1, communication, belongs to the
   g_NF = x_ND @ w_gate^T, u_NF = x_ND @ w_up^T         grouped GEMMs
   h_NF = silu(g) * u;  y_ND = h_NF @ w_down^T          fused SwiGLU, grouped GEMM
   y_TD = sum_k w_TK * y_ND[pair_row_TK]                output reduction
-Saved for backward: x_ND, g_NF, u_NF, y_ND (h is recomputed inside the SwiGLU backward kernel).
+Saved for backward: x_ND, g_NF, u_NF, y_ND (h is recomputed inside the SwiGLU backward kernel); with FP8 x_TD in
+place of x_ND, which then only feeds the weight gradients and is gathered in the backward (T rows kept, not T*K).
 Backward: reduction bwd (dy_ND, dw_TK) -> dh = dy_ND @ w_down -> SwiGLU bwd (dg, du, h) -> weight grads via
 grouped_mm_wgrad -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one reduction pass (no atomics).
 Rows >= R of every buffer are unspecified and never read. No host sync anywhere on this path.
@@ -25,8 +26,8 @@ scale is w[t,k] times the token's scale. h and the rows of [dg du] (one scale pe
 the SwiGLU kernels themselves (kernels/swiglu.py; h is then never written in bf16). The three weight-gradient GEMMs
 stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
 (padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
-would save there (benchmarks/RESULTS.md, "FP8 experts"). Everything saved for backward is the bf16 path's (g and u
-as the two halves of the gate-up GEMM's output); outputs come back in bf16, gradients in their inputs' dtypes.
+would save there (benchmarks/RESULTS.md, "FP8 experts"). Saved for backward as in the bf16 path (g and u as the two
+halves of the gate-up GEMM's output) but x_TD for x_ND; outputs come back in bf16, gradients in their inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class _FastExperts(torch.autograd.Function):
         E = w_gate_EFD.shape[0]
         plan = route_indices(idx_TK, e_start, e_start + E)
         x_TD = x_TD.contiguous()
-        x_ND = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
         ops = None
         if precision == "fp8":
             ops, mm = ExpertOperands(w_gate_EFD, w_up_EFD, w_down_EDF), _Fp8Gemms(plan, gemm_impl)
@@ -61,21 +61,23 @@ class _FastExperts(torch.autograd.Function):
             g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
             hq_ND, hs_N = swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows, capacity=mm.presented(Fh, x_TD.shape[1]))
             y_ND = mm(hq_ND, hs_N, ops.down())  # h itself is never written
+            x_saved = x_TD  # the bf16 rows only feed the weight gradients: gathered in the backward
         else:
+            x_ND = x_saved = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
             g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
             u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
             h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
             y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
         y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
         weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
-        ctx.save_for_backward(x_ND, g_NF, u_NF, y_ND, w_TK, *weights)
+        ctx.save_for_backward(x_saved, g_NF, u_NF, y_ND, w_TK, *weights)
         ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.ops = plan, gemm_impl, x_TD.dtype, ops
         ctx.fuse_grads = fuse_grads
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_ND, g_NF, u_NF, y_ND, w_TK, *weights = ctx.saved_tensors
+        x_saved, g_NF, u_NF, y_ND, w_TK, *weights = ctx.saved_tensors
         plan: RoutePlan = ctx.plan
         impl = ctx.gemm_impl
         ops: ExpertOperands | None = ctx.ops
@@ -88,6 +90,9 @@ class _FastExperts(torch.autograd.Function):
             w_gate_EFD, w_up_EFD, w_down_EDF = weights
             dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
         need = ctx.needs_input_grad
+        x_ND = x_saved
+        if ops is not None and (need[2] or need[3]):  # fp8 saved x_TD: the rows the weight gradients take
+            x_ND = gather_rows(x_saved, plan.row_token_N, plan.num_rows)
         if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
             dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
         else:

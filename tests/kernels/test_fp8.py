@@ -245,6 +245,25 @@ def test_fp8_layer_is_within_fp8_error_of_the_bf16_reference(T, D, Fh, E, EG, e0
         assert 1e-2 < rel_err(a, b) < 0.1, name
 
 
+def test_fp8_layer_keeps_the_tokens_not_their_gathered_rows_for_backward():
+    """The bf16 rows x_ND only feed the weight gradients in the FP8 path: it keeps x_TD (T rows, not T*K) and gathers
+    in the backward. Counted by the tensors autograd saves: y_ND is the only [T*K, D] one left."""
+    gen = _gen()
+    T, D, Fh, E, K = 64, 32, 16, 8, 4
+    idx = random_idx(T, K, E, gen)
+    ps = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen), torch.randn(E, Fh, D, generator=gen),
+          torch.randn(E, Fh, D, generator=gen), torch.randn(E, D, Fh, generator=gen)]
+    ps = [p.bfloat16().requires_grad_() for p in ps]
+    shapes: dict[str, list] = {"bf16": [], "fp8": []}
+    for precision, saved in shapes.items():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, out=saved: out.append(tuple(t.shape)) or t,
+                                                      lambda t: t):
+            y = fast_experts(ps[0], idx, ps[1], *ps[2:], gemm_impl="reference", precision=precision)
+        y.float().sum().backward()
+    assert shapes["bf16"].count((T * K, D)) == 2 and shapes["fp8"].count((T * K, D)) == 1
+    assert (T, D) in shapes["fp8"]
+
+
 def test_precision_config_is_checked():
     assert MoEConfig().precision == "bf16"
     MoEConfig(precision="fp8")  # impl auto: valid in the schema (the device is checked when the layer is built)
