@@ -133,6 +133,7 @@ def main() -> None:
                  ("olmoe-4L-4mb", l4, 4, 4, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb", l4_fp8, 4, 4, 4096, True, ()),
                  ("olmoe-4L-fp8-8x-4mb", l4_fp8, 8, 4, 4096, True, ()),
+                 ("olmoe-4L-fp8-16x-4mb", l4_fp8, 16, 4, 4096, True, ()),
                  # the expert weight gradients returned to autograd, which adds them to the gradient buffers
                  ("olmoe-16L-8mb-unfused", unfused(base), 2, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-8mb-unfused", unfused(fp8), 2, 8, 4096, True, ()),
