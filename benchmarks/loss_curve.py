@@ -3,6 +3,7 @@
 On one GPU:   PYTHONUNBUFFERED=1 python benchmarks/loss_curve.py --out $OUT          (~1 min per run on an H200)
 CPU smoke:    python benchmarks/loss_curve.py --smoke --out /tmp/lc                  (tiny model, 5 steps)
 FP8 vs bf16:  python benchmarks/loss_curve.py --compare precision --out $OUT      (3 runs of 500 steps)
+Router GEMMs: python benchmarks/loss_curve.py --compare router --out $OUT         (fp32 vs the default bf16)
 Data only:    python benchmarks/loss_curve.py --prepare-only --data-cache DIR        (tokenize the corpus, no training)
 
 Runs the real Trainer (moe_launch.trainer.loop.Trainer) three times on the same data order and the same init
@@ -24,7 +25,8 @@ three curves, per-run wall time and median tokens/s, the summary), written after
 `--compare precision` runs bf16, bf16 from another init seed and FP8 experts instead (all impl=fast, same data order,
 500 steps by default = 3.7 epochs of the corpus, each epoch in its own order), with --holdout sequences of the corpus
 set aside and each trained model's loss on them reported; benchmarks/loss_curve_precision.py says how the noise
-yardstick is built and what the verdict's rule is.
+yardstick is built and what the verdict's rule is. `--compare router` is the same with model.moe.router_gemm=fp32 in
+the FP8 run's place (JSON: loss_curve_router.json).
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ RUNS = (  # name, model.moe.impl, train.dtype (smoke mode: fp32 for all)
 NOISE_FACTOR, NOISE_FLOOR = 2.0, 0.01  # the verdict's threshold: 2 * bf16 noise + 0.01 nats
 
 
-def model_config(smoke: bool, impl: str, precision: str = "bf16") -> ModelConfig:
+def model_config(smoke: bool, impl: str, precision: str = "bf16", router_gemm: str = "bf16") -> ModelConfig:
     if smoke:
         return ModelConfig(name="loss_curve_smoke", kind="moe", vocab_size=512, d_model=32, n_layers=2, n_heads=4,
                            max_seq_len=32, moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=32, impl=impl,
-                                                         precision=precision))
+                                                         precision=precision, router_gemm=router_gemm))
     return ModelConfig(name="loss_curve", kind="moe", vocab_size=4096, d_model=512, n_layers=4, n_heads=8,
                        max_seq_len=1024, moe=MoEConfig(num_experts=64, top_k=8, expert_hidden=256, impl=impl,
-                                                       precision=precision))
+                                                       precision=precision, router_gemm=router_gemm))
 
 
 def train_config(smoke: bool, steps: int, dtype: str, compile_: bool) -> TrainConfig:
@@ -82,9 +84,9 @@ def train_config(smoke: bool, steps: int, dtype: str, compile_: bool) -> TrainCo
 
 
 def root_config(smoke: bool, steps: int, impl: str, dtype: str, compile_: bool, data_cache: str,
-                precision: str = "bf16") -> RootConfig:
+                precision: str = "bf16", router_gemm: str = "bf16") -> RootConfig:
     # workers: tokenization processes of the one-time data build
-    return RootConfig(model=model_config(smoke, impl, precision), parallel=ParallelConfig(dp=1),
+    return RootConfig(model=model_config(smoke, impl, precision, router_gemm), parallel=ParallelConfig(dp=1),
                       train=train_config(smoke, steps, dtype, compile_),
                       data=DataConfig(cache_dir=data_cache, workers=1 if smoke else 4),
                       cluster=ClusterConfig(kind="local", nodes=1, tasks_per_node=1))
@@ -206,9 +208,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="optimizer steps per run (default 200, --compare precision 500; smoke 5, precision 8)")
     ap.add_argument("--out", default="runs/loss_curve", help="directory for the JSON and the run dirs")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run in fp32 that checks the script")
-    ap.add_argument("--compare", choices=("impl", "precision"), default="impl",
+    ap.add_argument("--compare", choices=("impl", "precision", "router"), default="impl",
                     help="impl: fast vs reference vs fp32 (loss_curve.json); precision: bf16 vs bf16 from another "
-                         "init seed vs FP8 experts (loss_curve_precision.json)")
+                         "init seed vs FP8 experts (loss_curve_precision.json); router: the same with the router's "
+                         "GEMMs in fp32 as the variant (loss_curve_router.json)")
     ap.add_argument("--window", type=int, default=100, help="compare the mean |diff| over the last N steps")
     ap.add_argument("--smooth", type=int, default=20, help="--compare precision: trailing mean of N steps for the "
                                                            "smoothed figures")
@@ -227,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     import loss_curve_precision as precision_mode  # beside this script (its folder is on sys.path)
 
-    by_precision = args.compare == "precision"
+    by_precision = args.compare in precision_mode.VARIANTS  # a variant of the bf16 recipe against its noise
+    variant = precision_mode.VARIANTS.get(args.compare, "")
     steps = args.steps or ((8 if by_precision else 5) if args.smoke else (500 if by_precision else 200))
     if args.prepare_only:
         print(f"dataset: {prepare_data(args.data_cache, args.smoke)}", flush=True)
@@ -248,8 +252,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     holdout = 0
     if by_precision:
         seed_a = precision_mode.SEED_A if args.seed is None else args.seed
-        runs = precision_mode.plan(args.smoke, lambda precision: root_config(
-            args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, precision), seed_a)
+        settings = {"bf16": {}, "fp8": {"precision": "fp8"}, "router_fp32": {"router_gemm": "fp32"}}
+        runs = precision_mode.plan(args.smoke, lambda setting: root_config(
+            args.smoke, steps, "fast", "bf16", args.compile, args.data_cache, **settings[setting]), seed_a, variant)
         holdout = args.holdout if args.holdout is not None else (8 if args.smoke else 128)
         if holdout:
             every = args.eval_every or (4 if args.smoke else 50)
@@ -268,17 +273,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 train_config(args.smoke, steps, "bf16", args.compile)),
             "runs": stats}
     if by_precision:
-        meta.update(compare="precision", epochs=_epochs(dataset, steps * runs[0].cfg.train.global_batch_size),
-                    data_seed=runs[0].cfg.train.seed, rule=precision_mode.RULE,
+        meta.update(compare=args.compare, epochs=_epochs(dataset, steps * runs[0].cfg.train.global_batch_size),
+                    data_seed=runs[0].cfg.train.seed, rule=precision_mode.rule(variant),
                     heldout_sequences=holdout,
-                    plan={r.name: {"precision": r.label, "init_seed": r.init_seed, "impl": r.cfg.model.moe.impl,
-                                   "dtype": r.cfg.train.dtype} for r in runs})
-    json_name = "loss_curve_precision.json" if by_precision else "loss_curve.json"
+                    plan={r.name: {"precision": r.cfg.model.moe.precision, "setting": r.label,
+                                   "router_gemm": r.cfg.model.moe.router_gemm, "init_seed": r.init_seed,
+                                   "impl": r.cfg.model.moe.impl, "dtype": r.cfg.train.dtype} for r in runs})
+    json_name = f"loss_curve_{args.compare}.json" if by_precision else "loss_curve.json"
     summary: dict = {}
     for name, cfg, init_seed, label in runs:
         try:
             curves[name], stats[name] = run_trainer(cfg, out / f"run-{stamp}-{name}", device, init_seed)
-            extra = f" precision={label} init_seed={init_seed}" if by_precision else ""
+            extra = f" {label} init_seed={init_seed}" if by_precision else ""
             if "heldout_lm_loss" in stats[name]:
                 extra += f" held-out loss {stats[name]['heldout_lm_loss']:.4f}"
             print(f"[loss_curve] {name:9s} impl={cfg.model.moe.impl:9s} dtype={cfg.train.dtype:4s} "
@@ -296,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rates = {n: stats[n]["median_tokens_per_s"] for n in curves}
                 heldout = {n: stats[n]["heldout_lm_loss"] for n in curves if "heldout_lm_loss" in stats[n]}
                 summary = precision_mode.summarize(curves, rates, args.window, args.smooth, verdict=not args.smoke,
-                                                   heldout=heldout or None)
+                                                   heldout=heldout or None, variant=variant)
             else:
                 summary = summarize(curves, args.window, verdict=not args.smoke)
         _write(out / json_name, meta, summary, curves)  # after every run: a timeout keeps what was measured

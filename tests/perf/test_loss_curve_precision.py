@@ -36,7 +36,7 @@ def test_precision_smoke(tmp_path):
     result = json.loads((tmp_path / "out" / "loss_curve_precision.json").read_text())
     curves, summary, meta = result["curves"], result["summary"], result["meta"]
     assert set(curves) == {"bf16", "bf16_b", "fp8"} and all(len(c) == 8 for c in curves.values())
-    assert meta["plan"]["fp8"]["precision"].startswith("bf16 (stand-in") and meta["plan"]["bf16_b"]["init_seed"] != \
+    assert meta["plan"]["fp8"]["setting"].startswith("bf16 (stand-in") and meta["plan"]["bf16_b"]["init_seed"] != \
         meta["plan"]["bf16"]["init_seed"] == meta["data_seed"]
     assert curves["fp8"] == curves["bf16"]  # the stand-in is the same run
     assert curves["bf16_b"][0] != curves["bf16"][0]  # another init
@@ -50,6 +50,23 @@ def test_precision_smoke(tmp_path):
     assert all(meta["runs"][n]["heldout_lm_loss"] == held[n] for n in held)
     assert [step for step, _ in meta["runs"]["bf16"]["heldout"]] == [4, 8]  # the trainer's evaluations
     assert "heldout_within_bf16_noise" not in summary and "held-out loss: bf16" in proc.stdout
+
+
+def test_router_smoke(tmp_path):
+    """--compare router: the variant run has model.moe.router_gemm=fp32; on the CPU (fp32 parameters) every run's
+    router takes the fp32 GEMMs, so the variant's curve is bf16's."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "benchmarks/loss_curve.py", "--smoke", "--compare", "router",
+                           "--steps", "4", "--holdout", "0", "--out", str(tmp_path / "out"),
+                           "--data-cache", str(tmp_path / "cache")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "loss_curve_router.json").read_text())
+    curves, summary, meta = result["curves"], result["summary"], result["meta"]
+    assert set(curves) == {"bf16", "bf16_b", "router_fp32"} and meta["compare"] == "router"
+    assert meta["plan"]["router_fp32"]["router_gemm"] == "fp32" and meta["plan"]["bf16"]["router_gemm"] == "bf16"
+    assert curves["router_fp32"] == curves["bf16"] and summary["gap_mean_abs_router_fp32_vs_bf16"] == 0
+    assert summary["variant"] == "router_fp32" and "router_fp32 - bf16" in proc.stdout
 
 
 def test_verdict_rule():
@@ -140,3 +157,5 @@ def test_plan_follows_the_seed():
         assert {r.cfg.train.seed for r in runs} == {seed_a}
         assert [r.init_seed for r in runs] == [seed_a, seed_a + 1, seed_a]
         assert [r.label for r in runs] == ["bf16", "bf16", "fp8"]
+    runs = pm.plan(False, lambda setting: RootConfig(), pm.SEED_A, variant="router_fp32")
+    assert [(r.name, r.label) for r in runs] == [("bf16", "bf16"), ("bf16_b", "bf16"), ("router_fp32", "router_fp32")]
