@@ -61,10 +61,9 @@ def idle_gaps(trace: dict | str, min_gap_us: float = 5.0, depth: int = 3, top: i
         if gap >= min_gap_us:
             idle += gap
             launch = launches.get(e.get("args", {}).get("correlation"))
-            blocking = [s["name"] for s in syncs if s["ts"] < e["ts"] and s["ts"] + s["dur"] > busy_end]
-            if blocking:
-                s = next(s for s in syncs if s["name"] == blocking[0] and s["ts"] + s["dur"] > busy_end)
-                cause = f"host sync {blocking[0]} in {_enclosing(ops_by_tid, s['tid'], s['ts'], depth)}"
+            sync = next((s for s in syncs if s["ts"] < e["ts"] and s["ts"] + s["dur"] > busy_end), None)
+            if sync is not None:
+                cause = f"host sync {sync['name']} in {_enclosing(ops_by_tid, sync['tid'], sync['ts'], depth)}"
             elif launch is None:
                 cause = "(launch not traced)"
             elif launch["ts"] <= busy_end:

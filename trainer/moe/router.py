@@ -54,8 +54,8 @@ def sinkhorn_log_scores(logits_TE: torch.Tensor, rounds: int = SINKHORN_ROUNDS) 
     return log_TE
 
 
-# torch.mm(..., out_dtype=fp32) on bf16 operands (torch >= 2.8, CUDA): tensor cores with the fp32 accumulator
-# written out as is
+# torch.mm(..., out_dtype=fp32) on bf16 operands (CUDA, in the torch versions that have the overload): tensor cores
+# with the fp32 accumulator written out as is
 _MM_FP32_OUT = hasattr(torch.ops.aten.mm, "dtype")
 
 
