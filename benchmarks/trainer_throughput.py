@@ -110,6 +110,9 @@ def main() -> None:
         def router_fp32(m):  # model.moe.router_gemm=fp32
             return dataclasses.replace(m, moe=dataclasses.replace(m.moe, router_gemm="fp32"))
 
+        def xent_torch(m):  # model.cross_entropy_fusion=false
+            return dataclasses.replace(m, cross_entropy_fusion=False)
+
         l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
         cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
                  ("olmoe-4L-fp8", l4_fp8, 4, 1, 4096, True, ()),
@@ -145,6 +148,11 @@ def main() -> None:
                  # the router's GEMMs in fp32 on the CUDA cores
                  ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),
+                 # the head's softmax and loss gradient in torch's passes instead of the fused kernel
+                 ("olmoe-4L-fp8-4mb-xent-torch", xent_torch(l4_fp8), 4, 4, 4096, True, ()),
+                 ("olmoe-4L-fp8-16x-4mb-xent-torch", xent_torch(l4_fp8), 16, 4, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-4mb-xent-torch", xent_torch(fp8), 4, 4, 4096, True, ()),
+                 ("olmoe-4L-4mb-xent-torch", xent_torch(l4), 4, 4, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),

@@ -104,6 +104,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qk_norm: bool = True  # OLMoE normalises q and k (over the full projection) before RoPE
     init_std: float = 0.02
+    # the output head's softmax, loss and logit gradient as one Triton kernel over each chunk's logits on CUDA
+    # (kernels/cross_entropy.py), as Megatron-LM's cross-entropy loss fusion; false: torch's passes over an fp32 copy
+    cross_entropy_fusion: bool = True
     moe: MoEConfig = field(default_factory=MoEConfig)
     # "hf:/path" (safetensors + config.json), "ckpt:/path/model-step-N", or None for random init
     init_from: Optional[str] = None

@@ -91,3 +91,27 @@ def test_compute_loss_equals_the_unfused_formula():
     torch.testing.assert_close(loss.detach(), (lm + aux + z).detach(), rtol=1e-6, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(fused[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("fusion", [True, False])
+def test_cross_entropy_fusion_reaches_the_head(monkeypatch, fusion):
+    """model.cross_entropy_fusion is what the model's and the pipeline stage's head are called with."""
+    from moe_launch.trainer.model import transformer
+    from moe_launch.trainer.pipeline import stage as stage_mod
+
+    seen = []
+
+    def spy(*args, fused, **kwargs):
+        seen.append(fused)
+        return chunked_cross_entropy(*args, fused=fused, **kwargs)
+
+    monkeypatch.setattr(transformer, "chunked_cross_entropy", spy)
+    monkeypatch.setattr(stage_mod, "chunked_cross_entropy", spy)
+    cfg = ModelConfig(name="t", kind="dense", vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
+                      ffn_hidden=48, cross_entropy_fusion=fusion)
+    model = build_model(cfg)
+    x = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    model.compute_loss(x[:, :-1], x[:, 1:])
+    stage = stage_mod.build_stage_model(cfg, {0: range(0, 2)}, 1)  # one stage holding the whole model
+    stage.forward_chunk(0, x[:, :-1], x[:, 1:])
+    assert seen == [fusion, fusion]

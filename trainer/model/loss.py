@@ -10,6 +10,9 @@ which it turns into the chunk's share of dh and dW with two more matmuls. Only d
 backward, which just scales them by the incoming gradient. FLOPs equal the unfused path's (one forward and two
 backward matmuls); nothing is recomputed. Without grad (eval) no gradient is taken.
 
+The softmax, loss and logit gradient of a chunk: on CUDA with `fused` (model.cross_entropy_fusion) one Triton kernel
+over the chunk's logits in their own dtype (kernels/cross_entropy.py), else `softmax_xent_torch` below, its reference.
+
 Numerics: the matmuls run in `compute_dtype` (the autocast dtype when autocast is on, else the weight's dtype) and
 the softmax and loss in fp32, as in the reference. The per-token factor valid/N multiplies the C x D sides instead of
 the C x V gradient: dh's rows in fp32 after their matmul, h's rows (rounded to compute_dtype) before dW's; dW is
@@ -32,20 +35,38 @@ def chunk_tokens(vocab_size: int) -> int:
     return max(128, (CHUNK_ELEMENTS // vocab_size) // 128 * 128)
 
 
-def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_valid: torch.Tensor, want_grad: bool):
+def softmax_xent_torch(logits_CV: torch.Tensor, y_C: torch.Tensor, write_grad: bool):
+    """Per-token loss (fp32; 0 for ignored targets) and, with write_grad, softmax - onehot in the logits' dtype (no
+    onehot on ignored rows): the gradient of the summed loss before the per-token scale. The reference of
+    kernels/cross_entropy.py `softmax_xent_`, and the path off CUDA."""
+    # log_softmax upcasts inside its kernel: no separate fp32 copy of the logits
+    logp_CV = torch.log_softmax(logits_CV, dim=-1, dtype=torch.float32)
+    valid_C = y_C != IGNORE_INDEX
+    y_safe_C = torch.where(valid_C, y_C, 0)
+    loss_C = -torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1), 0.0)
+    if not write_grad:
+        return loss_C, None
+    p_CV = logp_CV.exp_()  # softmax, in place of the chunk's fp32 buffer
+    p_CV.scatter_add_(1, y_safe_C[:, None], -valid_C[:, None].to(p_CV.dtype))
+    return loss_C, p_CV.to(logits_CV.dtype)
+
+
+def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_valid: torch.Tensor, want_grad: bool,
+                fused: bool):
     """Summed loss of one chunk and, if wanted, (softmax - onehot) in the matmul dtype with the per-token scale
     valid / N (fp32) that turns it into the gradient of the mean loss; the scale is applied to the C x D sides of the
     two gradient matmuls, not to the C x V matrix (one pass less over the chunk's largest tensor)."""
-    # log_softmax upcasts inside its kernel: no separate fp32 copy of the logits
-    logp_CV = torch.log_softmax(h_CD @ w_VD.t(), dim=-1, dtype=torch.float32)
-    valid_C = y_C != IGNORE_INDEX
-    y_safe_C = torch.where(valid_C, y_C, 0)
-    loss_sum = -torch.where(valid_C, logp_CV.gather(1, y_safe_C[:, None]).squeeze(1), 0.0).sum()
+    logits_CV = h_CD @ w_VD.t()
+    if fused and logits_CV.is_cuda:
+        from moe_launch.kernels.cross_entropy import softmax_xent_  # imported lazily: triton is optional off CUDA
+
+        loss_C = softmax_xent_(logits_CV, y_C, IGNORE_INDEX, want_grad)
+        g_CV = logits_CV if want_grad else None  # the kernel wrote the gradient over the logits
+    else:
+        loss_C, g_CV = softmax_xent_torch(logits_CV, y_C, want_grad)
     if not want_grad:
-        return loss_sum, None, None
-    p_CV = logp_CV.exp_()  # softmax, in place of the chunk's fp32 buffer
-    p_CV.scatter_add_(1, y_safe_C[:, None], -valid_C[:, None].to(p_CV.dtype))
-    return loss_sum, p_CV.to(h_CD.dtype), valid_C.to(torch.float32) / n_valid
+        return loss_C.sum(), None, None
+    return loss_C.sum(), g_CV, (y_C != IGNORE_INDEX).to(torch.float32) / n_valid
 
 
 def _fp32_out_mm(a: torch.Tensor) -> bool:
@@ -69,7 +90,7 @@ _FP32_OUT_MM = None
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_TD, w_VD, y_T, compute_dtype, chunk, want_grad):
+    def forward(ctx, h_TD, w_VD, y_T, compute_dtype, chunk, want_grad, fused):
         with torch.autocast(h_TD.device.type, enabled=False):
             hc_TD, wc_VD = h_TD.to(compute_dtype), w_VD.to(compute_dtype)
             valid_T = y_T != IGNORE_INDEX
@@ -79,7 +100,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             dw_VD = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if want_grad else None
             for lo in range(0, h_TD.shape[0], chunk):
                 h_CD, y_C = hc_TD[lo : lo + chunk], y_T[lo : lo + chunk]
-                loss_sum, g_CV, scale_C = _chunk_loss(h_CD, wc_VD, y_C, n_valid, want_grad)
+                loss_sum, g_CV, scale_C = _chunk_loss(h_CD, wc_VD, y_C, n_valid, want_grad, fused)
                 total += loss_sum
                 if want_grad:
                     scale_C1 = scale_C[:, None]
@@ -102,14 +123,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # out of place (backward may run twice with retain_graph); a product with 1.0 is exact
         dh_TD = (dh_TD * grad_out.to(dh_TD.dtype)).to(ctx.h_dtype)
         dw_VD = (dw_VD * grad_out).to(ctx.w_dtype)
-        return dh_TD, dw_VD, None, None, None, None
+        return dh_TD, dw_VD, None, None, None, None, None
 
 
 def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Tensor,
-                          chunk: Optional[int] = None) -> torch.Tensor:
+                          chunk: Optional[int] = None, fused: bool = True) -> torch.Tensor:
     """mean_t CE(h_TD[t] @ w_VD.T, y_T[t]) over targets != IGNORE_INDEX, as
     `F.cross_entropy((h_TD @ w_VD.T).float(), y_T)` computes it, in chunks of `chunk` tokens (default: about
-    CHUNK_ELEMENTS logits). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype."""
+    CHUNK_ELEMENTS logits). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype.
+    fused: the softmax and gradient of each chunk in one Triton kernel on CUDA (model.cross_entropy_fusion)."""
     device_type = h_TD.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
@@ -117,4 +139,4 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Ten
         compute_dtype = torch.promote_types(h_TD.dtype, w_VD.dtype)
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or w_VD.requires_grad)
     chunk = chunk or chunk_tokens(w_VD.shape[0])
-    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, y_T, compute_dtype, chunk, want_grad)
+    return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, y_T, compute_dtype, chunk, want_grad, fused)

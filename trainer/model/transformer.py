@@ -90,7 +90,8 @@ class Transformer(nn.Module):
         tokens (trainer/model/loss.py): the whole batch's logits are never materialised; within fp32 rounding of
         `F.cross_entropy(self(inputs).float(), targets)`."""
         h_BSD, stats = self.hidden_with_stats(inputs_BS)
-        lm_loss = chunked_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten())
+        lm_loss = chunked_cross_entropy(h_BSD.flatten(0, 1), self.lm_head.weight, targets_BS.flatten(),
+                                        fused=self.cfg.cross_entropy_fusion)
         zero = lm_loss.new_zeros(())
         aux = torch.stack([s.aux_loss for s in stats]).sum() * self.cfg.moe.aux_loss_weight if stats else zero
         z = torch.stack([s.z_loss for s in stats]).sum() * self.cfg.moe.z_loss_coef if stats else zero

@@ -73,7 +73,8 @@ class StageModel(nn.Module):
                 stats.append(s)
         if chunk == self.last_chunk:
             # head + cross-entropy chunked over tokens, as Transformer.compute_loss: no full fp32 logits
-            x = chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight, targets_BS.flatten())
+            x = chunked_cross_entropy(self.norm(x).flatten(0, 1), self.lm_head.weight, targets_BS.flatten(),
+                                      fused=self.cfg.cross_entropy_fusion)
         return ChunkOut(out=x, layers=layers, stats=stats)
 
 
