@@ -3,6 +3,9 @@
 #   bash benchmarks/run_training_gpu.sh step     train_step rows (GPU 0) + the real trainer at the OLMoE shapes
 #   bash benchmarks/run_training_gpu.sh ep       EP=2 over both GPUs (bf16 params, compiled), then the real trainer
 #                                               (GPU 0) beside the 200-step loss curve (GPU 1)
+# and on one GPU, each mode one call, the fused output head against torch's passes in the same call:
+#   bash benchmarks/run_training_gpu.sh head     the head benchmark, its GPU test, the 4-layer trainer cases
+#   bash benchmarks/run_training_gpu.sh full     the 16-layer trainer cases, then HF's model at both shapes
 source "$(dirname "$0")/gpu_env.sh"
 case "${1:-step}" in
   step)
@@ -17,5 +20,16 @@ case "${1:-step}" in
     wait
     grep '^\[' "$OUT/ep_train.log"; tail -3 "$OUT/ep_train.log"; tail -5 "$OUT/trainer_throughput.log"
     tail -15 "$OUT/loss_curve.log" ;;
+  head)
+    run gpu_xent 120 env PYTHONPATH="tests/kernels:$PYTHONPATH" python3 tests/kernels/gpu_cross_entropy.py
+    run cross_entropy 150 python3 benchmarks/cross_entropy.py --out "$OUT"
+    run trainer_throughput 300 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
+      --only olmoe-4L-fp8-4mb,olmoe-4L-fp8-4mb-xent-torch,olmoe-4L-fp8-16x-4mb,olmoe-4L-fp8-16x-4mb-xent-torch,olmoe-4L-4mb,olmoe-4L-4mb-xent-torch
+    tail -3 "$OUT/gpu_xent.log"; tail -14 "$OUT/cross_entropy.log"; tail -8 "$OUT/trainer_throughput.log" ;;
+  full)
+    run trainer_throughput 420 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
+      --only olmoe-16L-fp8-4x-4mb,olmoe-16L-fp8-4x-4mb-xent-torch,olmoe-16L-4x-4mb
+    run train_step 150 python3 benchmarks/train_step.py --out "$OUT" --budget-s 140 --only olmoe-4L/hf,olmoe-16L/hf
+    tail -5 "$OUT/trainer_throughput.log"; grep -v '^{' "$OUT/train_step.log" | tail -12 ;;
 esac
 cat "$OUT/gpus.txt"

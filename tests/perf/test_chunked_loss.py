@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.trainer.model import build_model
-from moe_launch.trainer.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy
+from moe_launch.trainer.model.loss import IGNORE_INDEX, chunk_tokens, chunked_cross_entropy, logit_bytes
 
 torch.set_num_threads(1)
 
@@ -68,8 +68,13 @@ def test_bf16_autocast_matches_the_autocast_reference():
 
 
 def test_chunk_size_default_bounds_logits():
-    assert chunk_tokens(50304) == 2560  # 2560 x 50304 fp32 logits = 491 MiB per chunk
-    assert chunk_tokens(10**9) == 128
+    torch_bf16, fused_bf16 = logit_bytes(torch.bfloat16, False), logit_bytes(torch.bfloat16, True)
+    assert (torch_bf16, fused_bf16, logit_bytes(torch.float32, False)) == (8, 2, 12)
+    # torch's passes: bf16 logits + fp32 softmax + bf16 gradient = 8 B per logit, 2560 x 50304 x 8 = 983 MiB
+    assert chunk_tokens(50304, torch_bf16) == 2560
+    # the fused kernel keeps one bf16 buffer: four times the tokens in the same bytes
+    assert chunk_tokens(50304, fused_bf16) == 10624
+    assert chunk_tokens(10**9, fused_bf16) == 128
 
 
 def test_compute_loss_equals_the_unfused_formula():

@@ -27,12 +27,20 @@ from typing import Optional
 import torch
 
 IGNORE_INDEX = -100
-CHUNK_ELEMENTS = 1 << 27  # logits per chunk: 512 MiB in fp32
+CHUNK_BYTES = 1 << 30  # what one chunk's logit-sized buffers may take together
 
 
-def chunk_tokens(vocab_size: int) -> int:
-    """Tokens per chunk: about CHUNK_ELEMENTS logits, a multiple of 128 rows for the matmuls."""
-    return max(128, (CHUNK_ELEMENTS // vocab_size) // 128 * 128)
+def logit_bytes(compute_dtype: torch.dtype, fused: bool) -> int:
+    """Bytes a chunk holds per logit: the fused kernel writes the gradient over the logits (one buffer in the
+    compute dtype); torch's passes add an fp32 log-softmax (made the softmax in place) and the gradient's cast back."""
+    item = torch.empty((), dtype=compute_dtype).element_size()
+    return item if fused else 2 * item + 4
+
+
+def chunk_tokens(vocab_size: int, bytes_per_logit: int = 8) -> int:
+    """Tokens per chunk: about CHUNK_BYTES of logit-sized buffers, a multiple of 128 rows for the matmuls. Longer
+    chunks mean fewer, larger GEMMs (the head's dW accumulation and kernel launches amortise better)."""
+    return max(128, (CHUNK_BYTES // (vocab_size * bytes_per_logit)) // 128 * 128)
 
 
 def softmax_xent_torch(logits_CV: torch.Tensor, y_C: torch.Tensor, write_grad: bool):
@@ -57,7 +65,7 @@ def _chunk_loss(h_CD: torch.Tensor, w_VD: torch.Tensor, y_C: torch.Tensor, n_val
     valid / N (fp32) that turns it into the gradient of the mean loss; the scale is applied to the C x D sides of the
     two gradient matmuls, not to the C x V matrix (one pass less over the chunk's largest tensor)."""
     logits_CV = h_CD @ w_VD.t()
-    if fused and logits_CV.is_cuda:
+    if fused:
         from moe_launch.kernels.cross_entropy import softmax_xent_  # imported lazily: triton is optional off CUDA
 
         loss_C = softmax_xent_(logits_CV, y_C, IGNORE_INDEX, want_grad)
@@ -130,7 +138,7 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Ten
                           chunk: Optional[int] = None, fused: bool = True) -> torch.Tensor:
     """mean_t CE(h_TD[t] @ w_VD.T, y_T[t]) over targets != IGNORE_INDEX, as
     `F.cross_entropy((h_TD @ w_VD.T).float(), y_T)` computes it, in chunks of `chunk` tokens (default: about
-    CHUNK_ELEMENTS logits). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype.
+    CHUNK_BYTES of logit-sized buffers). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype.
     fused: the softmax and gradient of each chunk in one Triton kernel on CUDA (model.cross_entropy_fusion)."""
     device_type = h_TD.device.type
     if torch.is_autocast_enabled(device_type):
@@ -138,5 +146,6 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Ten
     else:
         compute_dtype = torch.promote_types(h_TD.dtype, w_VD.dtype)
     want_grad = torch.is_grad_enabled() and (h_TD.requires_grad or w_VD.requires_grad)
-    chunk = chunk or chunk_tokens(w_VD.shape[0])
+    fused = fused and h_TD.is_cuda
+    chunk = chunk or chunk_tokens(w_VD.shape[0], logit_bytes(compute_dtype, fused))
     return _ChunkedLinearCrossEntropy.apply(h_TD, w_VD, y_T, compute_dtype, chunk, want_grad, fused)
