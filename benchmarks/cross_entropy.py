@@ -1,6 +1,6 @@
 """The output head + cross-entropy, forward and backward: the trainer's chunked head with the fused softmax kernel,
-the same with torch's passes, the fused kernel at the torch path's shorter chunk, and F.cross_entropy over the whole batch's logits
-(what HF and an unchunked trainer run).
+the same with torch's passes, the fused kernel at the torch path's shorter chunk, and F.cross_entropy over the whole
+batch's logits (what HF and an unchunked trainer run).
 
 Run on one GPU:  PYTHONUNBUFFERED=1 python benchmarks/cross_entropy.py --out $OUT
 `--smoke` runs a tiny fp32 version on the CPU to check the script itself.

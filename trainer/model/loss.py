@@ -138,7 +138,8 @@ def chunked_cross_entropy(h_TD: torch.Tensor, w_VD: torch.Tensor, y_T: torch.Ten
                           chunk: Optional[int] = None, fused: bool = True) -> torch.Tensor:
     """mean_t CE(h_TD[t] @ w_VD.T, y_T[t]) over targets != IGNORE_INDEX, as
     `F.cross_entropy((h_TD @ w_VD.T).float(), y_T)` computes it, in chunks of `chunk` tokens (default: about
-    CHUNK_BYTES of logit-sized buffers). The matmuls run in the autocast dtype when autocast is on, else in w_VD's dtype.
+    CHUNK_BYTES of logit-sized buffers). The matmuls run in the autocast dtype when autocast is on, else in w_VD's
+    dtype.
     fused: the softmax and gradient of each chunk in one Triton kernel on CUDA (model.cross_entropy_fusion)."""
     device_type = h_TD.device.type
     if torch.is_autocast_enabled(device_type):
