@@ -10,6 +10,8 @@ Entry points (each stage file holds the Triton path, a plain-torch reference, an
   swiglu.swiglu_fwd / swiglu_bwd
   fp8.quantize_rows / scaled_grouped_mm       e4m3 with per-row / per-channel scales, torch._scaled_grouped_mm
   reduce.combine(rows_ND, plan.pair_row_TK, w_TK) -> y_TD / combine_bwd(dy_TD, rows_ND, pair_row_TK, w_TK)
+  cross_entropy.softmax_xent_(logits_CV, y_C, ignore_index, write_grad) -> loss_C
+      the output head's per-chunk softmax, loss and logit gradient (trainer/model/loss.py, model.cross_entropy_fusion)
 An expert-parallel dispatcher can run route_indices on the tokens it received (all-gathered or all-to-all'd) with
 its own [e_start, e_end) and call fast_experts on them: pairs routed elsewhere contribute nothing.
 
