@@ -21,9 +21,9 @@ case "${1:-step}" in
     grep '^\[' "$OUT/ep_train.log"; tail -3 "$OUT/ep_train.log"; tail -5 "$OUT/trainer_throughput.log"
     tail -15 "$OUT/loss_curve.log" ;;
   head)
-    run gpu_xent 120 env PYTHONPATH="tests/kernels:$PYTHONPATH" python3 tests/kernels/gpu_cross_entropy.py
-    run cross_entropy 150 python3 benchmarks/cross_entropy.py --out "$OUT"
-    run trainer_throughput 300 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
+    run gpu_xent 60 env PYTHONPATH="tests/kernels:$PYTHONPATH" python3 tests/kernels/gpu_cross_entropy.py
+    run cross_entropy 120 python3 benchmarks/cross_entropy.py --out "$OUT"
+    run trainer_throughput 380 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
       --only olmoe-4L-fp8-4mb,olmoe-4L-fp8-4mb-xent-torch,olmoe-4L-fp8-16x-4mb,olmoe-4L-fp8-16x-4mb-xent-torch,olmoe-4L-4mb,olmoe-4L-4mb-xent-torch
     tail -3 "$OUT/gpu_xent.log"; tail -14 "$OUT/cross_entropy.log"; tail -8 "$OUT/trainer_throughput.log" ;;
   full)
