@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from helpers_net import free_port
@@ -44,24 +46,39 @@ def write_run(root: Path, cfg: RootConfig) -> RunDir:
 
 
 def launch_ranks(rd: RunDir, world: int, attempt: int = 0, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    """Run `python -m moe_launch.trainer` once per rank (torchrun-style env), each rank on its own "node"."""
+    """Run `python -m moe_launch.trainer` once per rank (torchrun-style env), each rank on its own "node". A rank
+    still running at the timeout is aborted with every thread's stack printed (faulthandler), and the test fails
+    with each rank's output, so that a hang says where it hung."""
     port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), MOE_LAUNCH_NODE=f"node{r}", OMP_NUM_THREADS="1")
+                   MASTER_PORT=str(port), MOE_LAUNCH_NODE=f"node{r}", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "moe_launch.trainer", "--run-dir", str(rd.root), "--attempt", str(attempt)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    out = []
+    deadline = time.monotonic() + timeout
+    out, hung = [], []
     try:
         for p in procs:
-            stdout, _ = p.communicate(timeout=timeout)
+            try:
+                stdout, _ = p.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGABRT)  # faulthandler prints all threads' stacks on SIGABRT
+                try:
+                    stdout, _ = p.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    stdout, _ = p.communicate()
+                hung.append(len(out))
             out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, ""))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if hung:
+        report = "\n".join(f"--- rank {r} (exit {c.returncode}{', hung' if r in hung else ''}):\n{c.stdout[-6000:]}"
+                           for r, c in enumerate(out))
+        raise AssertionError(f"ranks {hung} still running after {timeout:.0f} s:\n{report}")
     return out
-
