@@ -33,11 +33,10 @@ CHUNK_BYTES = 1 << 30  # what one chunk's logit-sized buffers may take together
 def logit_bytes(compute_dtype: torch.dtype, fused: bool) -> int:
     """Bytes a chunk holds per logit: the fused kernel writes the gradient over the logits (one buffer in the
     compute dtype); torch's passes add an fp32 log-softmax (made the softmax in place) and the gradient's cast back."""
-    item = torch.empty((), dtype=compute_dtype).element_size()
-    return item if fused else 2 * item + 4
+    return compute_dtype.itemsize if fused else 2 * compute_dtype.itemsize + 4
 
 
-def chunk_tokens(vocab_size: int, bytes_per_logit: int = 8) -> int:
+def chunk_tokens(vocab_size: int, bytes_per_logit: int) -> int:
     """Tokens per chunk: about CHUNK_BYTES of logit-sized buffers, a multiple of 128 rows for the matmuls. Longer
     chunks mean fewer, larger GEMMs (the head's dW accumulation and kernel launches amortise better)."""
     return max(128, (CHUNK_BYTES // (vocab_size * bytes_per_logit)) // 128 * 128)
