@@ -6,7 +6,9 @@ Smoke run on CPU (fp32, tiny, no FP8; checks the script itself):
 Each shape is one MoE layer as benchmarks/moe_layer.py builds it (router linear + softmax + top-k + experts; tokens
 N(0,1), router and expert weights N(0,0.02)), with the expert implementations on the same tokens and router: ours
 bf16, ours FP8 (sm90 only; the weights quantized in every call, and reused as by every pass but the first of a
-training step) and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
+training step), ours bf16 with the expert weights' gradients added to .grad buffers inside the backward (the
+trainer's model.moe.grad_accumulation_fusion) eager and replayed from CUDA graphs (model.moe.cuda_graph,
+kernels/moe_graph.py), and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
 --only picks shapes by name; --set models runs published models' expert shapes instead (model_shapes()).
 Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
 then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
@@ -50,7 +52,10 @@ OURS_BF16, OURS_FP8, NAIVE = "ours bf16", "ours FP8", "naive bf16"
 # FP8 inside kernels.fp8_weights.reuse_weights(): every pass after the first of a step (further micro-batches, a
 # recomputed forward) finds the weights quantized; timed inside one scope, the first call fills it
 OURS_FP8_REUSED = "ours FP8, weights reused"
-TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1, OURS_FP8_REUSED: 1e-1}
+# the trainer's configuration (model.moe.grad_accumulation_fusion): the expert weights' gradients added to .grad
+# buffers that stay allocated, inside the backward; eager, and replayed from CUDA graphs (model.moe.cuda_graph)
+OURS_INTO, OURS_GRAPH = "ours bf16, grads into .grad", "ours bf16, grads into .grad, CUDA graph"
+TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1, OURS_FP8_REUSED: 1e-1, OURS_INTO: 1e-2, OURS_GRAPH: 1e-2}
 
 
 @dataclass
@@ -114,6 +119,7 @@ def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
 def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False) -> dict:
     from moe_launch.kernels.fp8_weights import reuse_weights
     from moe_launch.kernels.moe import fast_experts
+    from moe_launch.kernels.moe_graph import ExpertGraphs
 
     d = shape.dims
     torch.manual_seed(0)
@@ -132,6 +138,10 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
     if fp8:
         layers[OURS_FP8] = layers[OURS_FP8_REUSED] = make_layer(fast_experts, params, d.K, bias_E=bias_E,
                                                                 precision="fp8")
+    layers[OURS_INTO] = make_layer(fast_experts, params, d.K, bias_E=bias_E, fuse_grad_accumulation=True)
+    graphs = ExpertGraphs()
+    layers[OURS_GRAPH] = make_layer(fast_experts, params, d.K, bias_E=bias_E, fuse_grad_accumulation=True,
+                                    graphs=graphs)
     layers[NAIVE] = make_layer(naive_experts, params, d.K, bias_E=bias_E)
 
     def fwd_bwd(layer):
@@ -168,9 +178,14 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
         if "error" in row:
             continue
 
-        def step(layer=layer):
-            for p in params:
-                p.grad = None
+        into = name in (OURS_INTO, OURS_GRAPH)
+        for p in params:  # rows adding into .grad find it allocated (its values do not matter to the timing)
+            p.grad = torch.zeros_like(p) if into else None
+
+        def step(layer=layer, into=into):
+            if not into:
+                for p in params:
+                    p.grad = None
             layer(x_TD.detach().requires_grad_()).backward(dy_TD)
 
         try:
@@ -189,6 +204,8 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             log(f"  timing {name} failed: {e!r}"[:1500])
+    res["graphs_captured"] = len(graphs.graphs)
+    graphs.clear()
     for p in params:
         p.grad = None
     return res

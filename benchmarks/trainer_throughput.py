@@ -113,6 +113,9 @@ def main() -> None:
         def xent_torch(m):  # model.cross_entropy_fusion=false
             return dataclasses.replace(m, cross_entropy_fusion=False)
 
+        def graphed(m):  # model.moe.cuda_graph=true
+            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, cuda_graph=True))
+
         l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
         cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
                  ("olmoe-4L-fp8", l4_fp8, 4, 1, 4096, True, ()),
@@ -153,6 +156,12 @@ def main() -> None:
                  ("olmoe-4L-fp8-16x-4mb-xent-torch", xent_torch(l4_fp8), 16, 4, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-4mb-xent-torch", xent_torch(fp8), 4, 4, 4096, True, ()),
                  ("olmoe-4L-4mb-xent-torch", xent_torch(l4), 4, 4, 4096, True, ()),
+                 # few tokens per layer call (1k, 2k), where queueing the experts' kernels takes longer than running
+                 # them: eager, and replayed from CUDA graphs
+                 ("olmoe-16L-1k-8mb", base, 1, 8, 1024, True, ()),
+                 ("olmoe-16L-1k-8mb-graph", graphed(base), 1, 8, 1024, True, ()),
+                 ("olmoe-16L-2k-8mb", base, 1, 8, 2048, True, ()),
+                 ("olmoe-16L-2k-8mb-graph", graphed(base), 1, 8, 2048, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),

@@ -56,6 +56,11 @@ class MoEConfig:
     # equal the fp32 GEMM's, the backward rounds the logits' gradient to bf16 first) | fp32 (all three GEMMs in fp32
     # on the CUDA cores, several times slower). fp32 parameters always take fp32
     router_gemm: str = "bf16"
+    # capture each layer's bf16 expert stage (forward and backward) as CUDA graphs and replay them
+    # (kernels/moe_graph.py): for few tokens per layer call (a few thousand), where queueing the stage's ~45 kernels
+    # takes the host longer than the GPU takes to run them. Each layer then holds its graphs' memory pool (saved
+    # activations and temporaries) between steps, so leave it off at tens of thousands of tokens per call
+    cuda_graph: bool = False
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
@@ -76,6 +81,10 @@ class MoEConfig:
                 "fp8 runs in the FastSparseMoE kernels, but model.moe.impl=reference selects the plain-torch experts",
                 "set model.moe.impl=fast (or auto), or model.moe.precision=bf16")
         one_of(self.router_gemm, ("bf16", "fp32"), "model.moe.router_gemm")
+        require(not (self.cuda_graph and (self.impl == "reference" or self.precision != "bf16")),
+                "model.moe.cuda_graph", f"graphs the bf16 FastSparseMoE kernels, but model.moe.impl={self.impl} and "
+                f"model.moe.precision={self.precision}", "set model.moe.cuda_graph=false, or impl=auto/fast with "
+                "precision=bf16")
         one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
         one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
         require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",

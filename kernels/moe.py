@@ -32,6 +32,9 @@ halves of the gate-up GEMM's output) but x_TD for x_ND; outputs come back in bf1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 
 from moe_launch.conf.schema import FP8_DIM_MULTIPLE
@@ -43,78 +46,116 @@ from moe_launch.kernels.index_gen import RoutePlan, route_indices
 from moe_launch.kernels.reduce import combine, combine_bwd
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_bwd_fp8, swiglu_fwd, swiglu_fwd_fp8
 
+if TYPE_CHECKING:
+    from moe_launch.kernels.moe_graph import ExpertGraphs
+
 PRECISIONS = ("bf16", "fp8")
+
+
+@dataclass
+class ExpertsSaved:
+    """What the backward of one expert-stage call needs: its saved tensors (x_ND, or x_TD with FP8; g_NF, u_NF, y_ND,
+    w_TK; the bf16 weights, or none with FP8, whose operands hold them) and the plan and operands they go with."""
+    tensors: tuple[torch.Tensor, ...]
+    plan: RoutePlan
+    gemm_impl: str
+    x_dtype: torch.dtype
+    ops: ExpertOperands | None
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ops = self.ops
+        return (ops.w_gate_EFD, ops.w_up_EFD, ops.w_down_EDF) if ops is not None else self.tensors[5:8]
+
+
+def experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start: int, gemm_impl: str,
+                    precision: str) -> tuple[torch.Tensor, ExpertsSaved]:
+    """The expert stage's forward outside autograd: y_TD and what its backward needs. No host sync."""
+    E = w_gate_EFD.shape[0]
+    plan = route_indices(idx_TK, e_start, e_start + E)
+    x_TD = x_TD.contiguous()
+    ops = None
+    if precision == "fp8":
+        ops, mm = ExpertOperands(w_gate_EFD, w_up_EFD, w_down_EDF), _Fp8Gemms(plan, gemm_impl)
+        Fh = w_gate_EFD.shape[1]
+        gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
+        g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
+        hq_ND, hs_N = swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows, capacity=mm.presented(Fh, x_TD.shape[1]))
+        y_ND = mm(hq_ND, hs_N, ops.down())  # h itself is never written
+        x_saved = x_TD  # the bf16 rows only feed the weight gradients: gathered in the backward
+    else:
+        x_ND = x_saved = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
+        g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
+        u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
+        h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
+        y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
+    y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
+    weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
+    return y_TD, ExpertsSaved((x_saved, g_NF, u_NF, y_ND, w_TK, *weights), plan, gemm_impl, x_TD.dtype, ops)
+
+
+def experts_backward(saved: ExpertsSaved, dy_TD: torch.Tensor, need: tuple[bool, ...],
+                     into: tuple[torch.Tensor | None, ...]):
+    """The expert stage's backward outside autograd -> (dx_TD, dw_TK, dw_gate, dw_up, dw_down), None where `need`
+    (needs_input_grad of (x, w_TK, w_gate, w_up, w_down)) is false or the gradient went into `into` (each weight's
+    gradient buffer, or None to return it)."""
+    x_saved, g_NF, u_NF, y_ND, w_TK = saved.tensors[:5]
+    plan, impl, ops = saved.plan, saved.gemm_impl, saved.ops
+    fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
+    w_gate_EFD, w_up_EFD, w_down_EDF = w_EMK = saved.weights()
+    dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
+    if fp8_mm is not None:
+        rows = fp8_mm.presented(dy_TD.shape[1], g_NF.shape[1])
+        dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK, rows), ops.down_t(), saved=False)
+    else:
+        dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
+    x_ND = x_saved
+    if ops is not None and (need[2] or need[3]):  # fp8 saved x_TD: the rows the weight gradients take
+        x_ND = gather_rows(x_saved, plan.row_token_N, plan.num_rows)
+    if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
+        dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
+    else:
+        dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
+    dw_down = weight_grad(dy_ND, h_NF, plan, impl, need[4], into[2])
+    dw_gate = weight_grad(dg_NF, x_ND, plan, impl, need[2], into[0])
+    dw_up = weight_grad(du_NF, x_ND, plan, impl, need[3], into[1])
+    dx_TD = None
+    if need[0]:
+        if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
+            dx_ND = fp8_mm(dguq_N2F, dgus_N, ops.gate_up_t(), saved=False)
+            dx_TD = combine(dx_ND, plan.pair_row_TK, None, out_dtype=saved.x_dtype)
+        else:
+            dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
+            dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
+            dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=saved.x_dtype)
+    if ops is not None:  # fp8 takes the weights in their own dtype; the weight-gradient GEMMs run in bf16
+        dw_gate, dw_up, dw_down = (None if d is None else d.to(w.dtype) for d, w in
+                                   ((dw_gate, w_EMK[0]), (dw_up, w_EMK[1]), (dw_down, w_EMK[2])))
+    return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down
+
+
+def grad_buffers(weights, fuse: bool) -> tuple[torch.Tensor | None, ...]:
+    return tuple(grad_buffer(w) if fuse else None for w in weights)
 
 
 class _FastExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl, precision,
                 fuse_grads):
-        E = w_gate_EFD.shape[0]
-        plan = route_indices(idx_TK, e_start, e_start + E)
-        x_TD = x_TD.contiguous()
-        ops = None
-        if precision == "fp8":
-            ops, mm = ExpertOperands(w_gate_EFD, w_up_EFD, w_down_EDF), _Fp8Gemms(plan, gemm_impl)
-            Fh = w_gate_EFD.shape[1]
-            gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
-            g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
-            hq_ND, hs_N = swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows, capacity=mm.presented(Fh, x_TD.shape[1]))
-            y_ND = mm(hq_ND, hs_N, ops.down())  # h itself is never written
-            x_saved = x_TD  # the bf16 rows only feed the weight gradients: gathered in the backward
-        else:
-            x_ND = x_saved = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
-            g_NF = grouped_mm(x_ND, w_gate_EFD.transpose(1, 2), plan, gemm_impl)
-            u_NF = grouped_mm(x_ND, w_up_EFD.transpose(1, 2), plan, gemm_impl)
-            h_NF = swiglu_fwd(g_NF, u_NF, plan.num_rows)
-            y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
-        y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
-        weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
-        ctx.save_for_backward(x_saved, g_NF, u_NF, y_ND, w_TK, *weights)
-        ctx.plan, ctx.gemm_impl, ctx.x_dtype, ctx.ops = plan, gemm_impl, x_TD.dtype, ops
-        ctx.fuse_grads = fuse_grads
+        y_TD, saved = experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start, gemm_impl,
+                                      precision)
+        ctx.save_for_backward(*saved.tensors)  # through autograd: saved-tensor hooks and version checks see them
+        saved.tensors = ()
+        ctx.saved, ctx.fuse_grads = saved, fuse_grads
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_saved, g_NF, u_NF, y_ND, w_TK, *weights = ctx.saved_tensors
-        plan: RoutePlan = ctx.plan
-        impl = ctx.gemm_impl
-        ops: ExpertOperands | None = ctx.ops
-        fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
-        dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
-        if fp8_mm is not None:
-            rows = fp8_mm.presented(dy_TD.shape[1], g_NF.shape[1])
-            dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK, rows), ops.down_t(), saved=False)
-        else:
-            w_gate_EFD, w_up_EFD, w_down_EDF = weights
-            dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
+        saved: ExpertsSaved = ctx.saved
+        saved.tensors = ctx.saved_tensors
         need = ctx.needs_input_grad
-        x_ND = x_saved
-        if ops is not None and (need[2] or need[3]):  # fp8 saved x_TD: the rows the weight gradients take
-            x_ND = gather_rows(x_saved, plan.row_token_N, plan.num_rows)
-        if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
-            dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
-        else:
-            dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
-        w_EMK = (ops.w_gate_EFD, ops.w_up_EFD, ops.w_down_EDF) if ops is not None else weights
-        into = [grad_buffer(w) if ctx.fuse_grads else None for w in w_EMK]
-        dw_down = weight_grad(dy_ND, h_NF, plan, impl, need[4], into[2])
-        dw_gate = weight_grad(dg_NF, x_ND, plan, impl, need[2], into[0])
-        dw_up = weight_grad(du_NF, x_ND, plan, impl, need[3], into[1])
-        dx_TD = None
-        if need[0]:
-            if fp8_mm is not None:  # [dg du] @ [w_gate; w_up]: one GEMM (K = 2F), one row set to combine
-                dx_ND = fp8_mm(dguq_N2F, dgus_N, ops.gate_up_t(), saved=False)
-                dx_TD = combine(dx_ND, plan.pair_row_TK, None, out_dtype=ctx.x_dtype)
-            else:
-                dxg_ND = grouped_mm(dg_NF, w_gate_EFD, plan, impl)
-                dxu_ND = grouped_mm(du_NF, w_up_EFD, plan, impl)
-                dx_TD = combine(dxg_ND, plan.pair_row_TK, None, rows2_ND=dxu_ND, out_dtype=ctx.x_dtype)
-        if ops is not None:  # fp8 takes the weights in their own dtype; the weight-gradient GEMMs run in bf16
-            dw_gate, dw_up, dw_down = (None if d is None else d.to(w.dtype) for d, w in
-                                       ((dw_gate, w_EMK[0]), (dw_up, w_EMK[1]), (dw_down, w_EMK[2])))
-        return dx_TD, (dw_TK if need[1] else None), dw_gate, dw_up, dw_down, None, None, None, None, None
+        grads = experts_backward(saved, dy_TD, need, grad_buffers(saved.weights(), ctx.fuse_grads))
+        saved.tensors = ()
+        return *grads, None, None, None, None, None
 
 
 def grad_buffer(w: torch.Tensor) -> torch.Tensor | None:
@@ -178,6 +219,7 @@ def fast_experts(
     gemm_impl: str = "auto",
     precision: str = "bf16",
     fuse_grad_accumulation: bool = False,
+    graphs: ExpertGraphs | None = None,
 ) -> torch.Tensor:
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
@@ -191,6 +233,9 @@ def fast_experts(
     fuse_grad_accumulation (model.moe.grad_accumulation_fusion): a weight that is a leaf with a .grad already (the
     trainer's gradient buffers) gets its gradient added to that .grad inside the backward, and autograd gets None
     for it. For .backward() only: torch.autograd.grad callers leave it off.
+    graphs (model.moe.cuda_graph): this layer's kernels.moe_graph.ExpertGraphs, which replays a captured forward and
+    backward where the call allows (bf16 on CUDA with gradients; the same kernels, so the same results) and runs
+    eager otherwise.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"expert precision {precision!r} is not one of {PRECISIONS}")
@@ -205,5 +250,8 @@ def fast_experts(
         x_TD = x_TD.to(dt)
         if precision != "fp8":  # fp8 quantizes the weights from their own dtype (kernels/fp8_weights.py)
             w_gate_EFD, w_up_EFD, w_down_EDF = (w.to(dt) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
+    if graphs is not None:
+        return graphs(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl, precision,
+                      fuse_grad_accumulation)
     return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl,
                               precision, fuse_grad_accumulation)

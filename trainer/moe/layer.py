@@ -7,7 +7,8 @@ Two swappable parts, both plain attributes chosen at build time (never by contro
   experts_fn  (x_TD, idx_TK, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, e_start=) -> y_TD over the LOCAL experts;
               model.moe.impl picks trainer.moe.reference.experts_reference or kernels.moe.fast_experts
               (auto: the kernels for CUDA tensors); model.moe.precision=fp8 binds fast_experts' precision (the
-              layer then refuses to be built on anything but an sm90 GPU).
+              layer then refuses to be built on anything but an sm90 GPU); model.moe.cuda_graph binds the layer's
+              own kernels.moe_graph.ExpertGraphs.
   dispatcher  (x_TD, idx_TK, w_TK, layer) -> y_TD. `local_dispatch` runs every expert here (EP=1); expert
               parallelism (trainer/parallel) installs all-gather or all-to-all dispatchers that move tokens
               between EP ranks and call layer.experts_fn on the tokens routed to this rank's experts.
@@ -20,7 +21,7 @@ import contextlib
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ from moe_launch.trainer.moe.reference import experts_reference
 from moe_launch.trainer.moe.router import Router
 from moe_launch.trainer.tracking.steplog import LOGGER
 
+if TYPE_CHECKING:
+    from moe_launch.kernels.moe_graph import ExpertGraphs
+
 ExpertsFn = Callable[..., torch.Tensor]
 
 
@@ -42,20 +46,23 @@ class RouterStats:
     counts_E: torch.Tensor  # int64 [E global], no gradient
 
 
-def resolve_experts_fn(impl: str, precision: str = "bf16", fuse_grads: bool = False) -> ExpertsFn:
-    """fuse_grads: model.moe.grad_accumulation_fusion, for the kernels (the reference lets autograd accumulate)."""
+def resolve_experts_fn(impl: str, precision: str = "bf16", fuse_grads: bool = False,
+                       graphs: "ExpertGraphs | None" = None) -> ExpertsFn:
+    """fuse_grads: model.moe.grad_accumulation_fusion, for the kernels (the reference lets autograd accumulate).
+    graphs: the layer's CUDA graphs of the kernels' expert stage (model.moe.cuda_graph)."""
     if impl == "reference":
         return experts_reference
+    kwargs = {k: v for k, v in (("fuse_grad_accumulation", fuse_grads), ("graphs", graphs)) if v not in (False, None)}
     if impl == "auto" and precision == "bf16":
-        return functools.partial(auto_experts, fuse_grad_accumulation=True) if fuse_grads else auto_experts
+        return functools.partial(auto_experts, **kwargs) if kwargs else auto_experts
     try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
         from moe_launch.kernels.moe import fast_experts
     except ImportError as e:
         key = "model.moe.impl" if precision == "bf16" else "model.moe.precision"
         raise ConfigError(key, f"the FastSparseMoE kernels cannot be imported ({e})",
                           "install the kernels (triton), or use model.moe.impl=reference with precision=bf16") from e
-    kwargs = {k: v for k, v in (("precision", precision), ("fuse_grad_accumulation", fuse_grads)) if v not in
-              ("bf16", False)}
+    if precision != "bf16":
+        kwargs["precision"] = precision
     return functools.partial(fast_experts, **kwargs) if kwargs else fast_experts
 
 
@@ -108,13 +115,22 @@ def warn_slow_expert_sizes(cfg: ModelConfig, device: torch.device, dtype: torch.
             f"GEMM and run in the Triton fallback, several times slower; multiples of {step} avoid that")
 
 
-def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False, **kwargs) -> torch.Tensor:
+def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False,
+                 graphs: "ExpertGraphs | None" = None, **kwargs) -> torch.Tensor:
     """model.moe.impl=auto: the FastSparseMoE kernels on CUDA tensors, the torch reference on anything else (the
     kernels run on CPU only through Triton's slow interpreter)."""
     if x_TD.is_cuda:
         from moe_launch.kernels.moe import fast_experts
-        return fast_experts(x_TD, *args, fuse_grad_accumulation=fuse_grad_accumulation, **kwargs)
+        return fast_experts(x_TD, *args, fuse_grad_accumulation=fuse_grad_accumulation, graphs=graphs, **kwargs)
     return experts_reference(x_TD, *args, **kwargs)
+
+
+def expert_graphs(cfg: MoEConfig) -> "ExpertGraphs | None":
+    """model.moe.cuda_graph: a layer's capture-and-replay of its expert stage (kernels/moe_graph.py), or None."""
+    if not cfg.cuda_graph:
+        return None
+    from moe_launch.kernels.moe_graph import ExpertGraphs
+    return ExpertGraphs()
 
 
 def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, layer: "MoELayer") -> torch.Tensor:
@@ -139,7 +155,10 @@ class MoELayer(nn.Module):
         self.w_down_EDF = nn.Parameter(torch.empty(E_local, d_model, cfg.expert_hidden))
         for p in (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF):
             p._moe_expert = True  # optimizers and checkpoints treat expert weights as EP-sharded
-        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision, cfg.grad_accumulation_fusion)
+        # the CUDA graphs read this layer's weights by address: one set per layer
+        self.expert_graphs = expert_graphs(cfg)
+        self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision, cfg.grad_accumulation_fusion,
+                                                        self.expert_graphs)
         self.dispatcher = local_dispatch
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:

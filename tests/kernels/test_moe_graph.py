@@ -1,0 +1,131 @@
+"""CUDA graphs of the expert stage (kernels/moe_graph.py): when a call may replay a graph (graph_action, pure), what
+a graph bakes in (signature), that off CUDA a layer with graphs is the eager layer, and the config that turns them
+on. Capture and replay themselves need a GPU: gpu_moe_graph.py checks them bit for bit against eager."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_launch.conf.schema import MoEConfig
+from moe_launch.errors import ConfigError
+from moe_launch.kernels.moe import fast_experts
+from moe_launch.kernels.moe_graph import CAPTURE, EAGER, REPLAY, WARM, CallShape, ExpertGraphs, graph_action, signature
+from moe_launch.trainer.moe import layer as layer_mod
+
+GRAPHABLE = CallShape(on_cuda=True, precision="bf16", grad_wanted=True, compiling=False, capturing=False,
+                      saved_tensor_hooks=False)
+
+
+def _action(call=GRAPHABLE, held=False, busy=False, seen=0, signatures=0, max_signatures=4):
+    return graph_action(call, held, busy, seen, signatures, max_signatures)
+
+
+def test_first_call_warms_second_captures_then_replays():
+    assert _action(seen=0) == WARM
+    assert _action(seen=1) == CAPTURE
+    assert _action(held=True, seen=1) == REPLAY
+
+
+def test_a_graph_holding_a_forward_in_flight_is_not_replayed():
+    assert _action(held=True, busy=True) == EAGER
+
+
+@pytest.mark.parametrize("change", [dict(on_cuda=False), dict(precision="fp8"), dict(grad_wanted=False),
+                                    dict(compiling=True), dict(capturing=True), dict(saved_tensor_hooks=True)])
+def test_calls_a_graph_cannot_serve_run_eager(change):
+    call = CallShape(**{**GRAPHABLE.__dict__, **change})
+    assert _action(call=call, held=True) == EAGER
+    assert _action(call=call, seen=5) == EAGER
+
+
+def test_no_new_capture_past_max_signatures_but_held_graphs_still_replay():
+    assert _action(seen=3, signatures=4, max_signatures=4) == EAGER
+    assert _action(seen=0, signatures=4, max_signatures=4) == EAGER
+    assert _action(held=True, signatures=4, max_signatures=4) == REPLAY
+
+
+def test_activation_checkpointing_is_seen_in_both_of_its_passes():
+    from torch.utils.checkpoint import checkpoint
+
+    from moe_launch.kernels.moe_graph import saved_tensor_hooks_active
+
+    seen = []
+
+    def region(x):
+        seen.append(saved_tensor_hooks_active())
+        return x * x  # saves x: the backward recomputes
+
+    assert not saved_tensor_hooks_active()
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    assert seen == [True, True]  # the forward and the recompute in the backward
+
+
+def _call_args(T=8, D=16, F=8, E=4, K=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    w_TK = torch.rand(T, K, generator=g, requires_grad=True)
+    idx_TK = torch.randint(0, E, (T, K), generator=g)
+    ws = [torch.randn(*s, generator=g, requires_grad=True) for s in ((E, F, D), (E, F, D), (E, D, F))]
+    return x, w_TK, idx_TK, ws
+
+
+def test_signature_holds_what_a_graph_bakes_in():
+    x, w_TK, idx_TK, ws = _call_args()
+    need, into = (True,) * 5, (None,) * 3
+    base = signature(x, w_TK, idx_TK, ws, 0, "auto", need, into)
+    x2, w2, i2, _ = _call_args(seed=1)  # other values, same shapes and weights: the same graph serves
+    assert signature(x2, w2, i2, ws, 0, "auto", need, into) == base
+    other_ws = [w.detach().clone() for w in ws]  # same shapes, other storage: the graph reads by address
+    assert signature(x, w_TK, idx_TK, other_ws, 0, "auto", need, into) != base
+    assert signature(x[:4], w_TK[:4], idx_TK[:4], ws, 0, "auto", need, into) != base
+    assert signature(x, w_TK, idx_TK, ws, 2, "auto", need, into) != base
+    assert signature(x, w_TK, idx_TK, ws, 0, "auto", (True, False, True, True, True), into) != base
+    bufs = tuple(torch.zeros_like(w) for w in ws)  # gradients added into buffers, by address
+    assert signature(x, w_TK, idx_TK, ws, 0, "auto", need, bufs) != base
+    assert signature(x, w_TK, idx_TK, ws, 0, "auto", need, bufs) == signature(x, w_TK, idx_TK, ws, 0, "auto", need,
+                                                                              bufs)
+
+
+def test_off_cuda_a_layer_with_graphs_is_the_eager_layer():
+    graphs = ExpertGraphs()
+    outs = []
+    for gr in (None, graphs, graphs):
+        x, w_TK, idx_TK, ws = _call_args(seed=3)
+        y = fast_experts(x, idx_TK, w_TK, *ws, graphs=gr)
+        y.backward(torch.ones_like(y))
+        outs.append([y.detach(), x.grad, w_TK.grad, *(w.grad for w in ws)])
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+    assert not graphs.graphs and not graphs.seen
+
+
+def test_config_binds_one_graph_set_per_layer():
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=True)
+    a, b = layer_mod.MoELayer(16, cfg), layer_mod.MoELayer(16, cfg)
+    assert isinstance(a.expert_graphs, ExpertGraphs) and a.expert_graphs is not b.expert_graphs
+    assert a.experts_fn.keywords["graphs"] is a.expert_graphs
+    off = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8))
+    assert off.expert_graphs is None and "graphs" not in getattr(off.experts_fn, "keywords", {})
+
+
+@pytest.mark.parametrize("bad", [dict(impl="reference"), dict(precision="fp8")])
+def test_cuda_graph_outside_the_bf16_kernels_is_refused(bad):
+    with pytest.raises(ConfigError, match="model.moe.cuda_graph"):
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=16, cuda_graph=True, **bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (capture and replay)")
+def test_graphs_replay_bit_for_bit_on_the_gpu():
+    """gpu_moe_graph.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_moe_graph.py"))], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("ok: ") == 6, proc.stdout
