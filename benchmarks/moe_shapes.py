@@ -283,7 +283,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
     args = ap.parse_args()
-    log = file_log(args.out, "moe_shapes.log")
+    log = file_log(args.out, "moe_shapes.log" if args.which == "common" else f"moe_shapes-{args.which}.log")
 
     import triton
 
