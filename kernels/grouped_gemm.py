@@ -169,15 +169,15 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.bfloat16, torch.float16) and t.stride(-1) == 1 and aligned_16(t) for t in tensors)
 
 
-_allocator_set = False
+def _scratch(size: int, align: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _tma_allocator() -> None:
-    """Device-side TMA descriptors need scratch memory from the caller's allocator (torch's, here)."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
+    """Device-side TMA descriptors need scratch memory from the caller's allocator (torch's, here). Set at every
+    launch: Triton keeps it in a context variable, so one set in the autograd engine's device thread is not seen by
+    a launch from the main thread (a CUDA graph capturing the backward there)."""
+    triton.set_allocator(_scratch)
 
 
 def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: torch.Tensor,
