@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The expert stage replayed from CUDA graphs (model.moe.cuda_graph) against eager, on one GPU; logs + JSON under $OUT.
-#   bash benchmarks/run_moe_graph_gpu.sh layer     the GPU test (graphed == eager bit for bit), then the layer at the
-#                                                  small-token shapes and the OLMoE anchor (benchmarks/moe_shapes.py,
-#                                                  both shape sets), every row against the naive pipeline
+#   bash benchmarks/run_moe_graph_gpu.sh layer     the GPU test (graphed == eager bit for bit), then the layer at
+#                                                  both shape sets of benchmarks/moe_shapes.py (COMMON_ONLY /
+#                                                  MODELS_ONLY: its --only), every row against the naive pipeline
 #   bash benchmarks/run_moe_graph_gpu.sh trainer   the 16-layer trainer at 1k and 2k tokens per micro-batch, eager
 #                                                  and graphed, same data (the losses must agree)
 source "$(dirname "$0")/gpu_env.sh"
 case "${1:-layer}" in
   layer)
     run gpu_moe_graph 180 python3 tests/kernels/gpu_moe_graph.py
-    run shapes_common 240 python3 benchmarks/moe_shapes.py --out "$OUT" --only "T 1024,T 4096,OLMoE-1B-7B"
-    run shapes_models 150 python3 benchmarks/moe_shapes.py --out "$OUT" --set models --only "T 2048,T 3000"
+    run shapes_common 280 python3 benchmarks/moe_shapes.py --out "$OUT" --only "${COMMON_ONLY:-}"
+    run shapes_models 240 python3 benchmarks/moe_shapes.py --out "$OUT" --set models --only "${MODELS_ONLY:-}"
     cat "$OUT/gpu_moe_graph.log"
     grep -E "check |ERROR|failed|Error|rc=" "$OUT/shapes_common.log" "$OUT/shapes_models.log" | cut -c1-300
     sed -n '/^dense rates measured/,$p' "$OUT/moe_shapes.log"
