@@ -5,6 +5,8 @@
 #                                                  MODELS_ONLY: its --only), every row against the naive pipeline
 #   bash benchmarks/run_moe_graph_gpu.sh trainer   the 16-layer trainer at 1k and 2k tokens per micro-batch, eager
 #                                                  and graphed, same data (the losses must agree)
+#   bash benchmarks/run_moe_graph_gpu.sh product   moe-launch model.moe.cuda_graph=true (the default run otherwise),
+#                                                  then the trainer at 4k tokens per micro-batch, eager and graphed
 source "$(dirname "$0")/gpu_env.sh"
 case "${1:-layer}" in
   layer)
@@ -19,5 +21,11 @@ case "${1:-layer}" in
     run trainer_throughput 560 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
       --only olmoe-16L-1k-8mb,olmoe-16L-1k-8mb-graph,olmoe-16L-2k-8mb,olmoe-16L-2k-8mb-graph
     tail -8 "$OUT/trainer_throughput.log" ;;
+  product)
+    bash benchmarks/local_gpu_run.sh model.moe.cuda_graph=true
+    cd "$(dirname "$0")/.." || exit 1
+    run trainer_throughput 330 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
+      --only olmoe-16L-4k-8mb,olmoe-16L-4k-8mb-graph
+    tail -6 "$OUT/trainer_throughput.log" ;;
 esac
 cat "$OUT/gpus.txt"

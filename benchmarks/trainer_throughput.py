@@ -162,6 +162,8 @@ def main() -> None:
                  ("olmoe-16L-1k-8mb-graph", graphed(base), 1, 8, 1024, True, ()),
                  ("olmoe-16L-2k-8mb", base, 1, 8, 2048, True, ()),
                  ("olmoe-16L-2k-8mb-graph", graphed(base), 1, 8, 2048, True, ()),
+                 ("olmoe-16L-4k-8mb", base, 1, 8, 4096, True, ()),
+                 ("olmoe-16L-4k-8mb-graph", graphed(base), 1, 8, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)
                  ("olmoe-16L-xs", base, 2, 1, 4096, True, ()),
                  ("olmoe-16L-fp8-xs", fp8, 2, 1, 4096, True, ()),
