@@ -246,11 +246,13 @@ def fast_experts(
     dev = x_TD.device.type
     dt = torch.bfloat16 if precision == "fp8" else (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev)
                                                      else None)
+    weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     if dt is not None:
         x_TD = x_TD.to(dt)
         if precision != "fp8":  # fp8 quantizes the weights from their own dtype (kernels/fp8_weights.py)
-            w_gate_EFD, w_up_EFD, w_down_EDF = (w.to(dt) for w in (w_gate_EFD, w_up_EFD, w_down_EDF))
-    if graphs is not None:
+            w_gate_EFD, w_up_EFD, w_down_EDF = (w.to(dt) for w in weights)
+    # weights cast for this call are new tensors every call: a graph reading them by address cannot serve
+    if graphs is not None and all(a is b for a, b in zip(weights, (w_gate_EFD, w_up_EFD, w_down_EDF))):
         return graphs(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl, precision,
                       fuse_grad_accumulation)
     return _FastExperts.apply(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, int(e_start), gemm_impl,

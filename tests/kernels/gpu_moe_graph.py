@@ -166,7 +166,16 @@ def signature_cap():
     finally:
         T = t0
     assert len(graphs.graphs) == 1, len(graphs.graphs)
-    print("ok: past max_signatures a new shape runs eager")
+    # fp32 master weights under autocast: cast to new bf16 tensors in every call, so nothing to capture
+    ws32 = [w.detach().float().requires_grad_() for w in _weights(6)]
+    graphs32 = ExpertGraphs()
+    for seed in (60, 61, 62):
+        x, w_TK, idx_TK, dy = _inputs(seed)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fast_experts(x, idx_TK, w_TK, *ws32, graphs=graphs32)
+        y.backward(dy)
+    assert not graphs32.graphs and not graphs32.seen and ws32[0].grad.dtype == torch.float32
+    print("ok: past max_signatures a new shape runs eager; weights cast per call are never captured")
 
 
 if __name__ == "__main__":
