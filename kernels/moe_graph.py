@@ -174,7 +174,13 @@ class ExpertGraphs:
         action = graph_action(call, held is not None, held is not None and held.busy, self.seen.get(sig, 0),
                               len(self.graphs), self.max_signatures)
         if action == CAPTURE:
-            held = self.graphs[sig] = _Captured(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
+            try:
+                held = self.graphs[sig] = _Captured(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
+            except Exception as e:  # noqa: BLE001  (a graph is an optimisation: training goes on eager)
+                self.max_signatures, self._said_full = len(self.graphs), True
+                LOG.warning(f"capturing the expert stage as a CUDA graph failed ({type(e).__name__}: {e}); this "
+                            "layer captures nothing more and runs eager where it has no graph")
+                action = EAGER
         if action in (CAPTURE, REPLAY):
             return _GraphedExperts.apply(x_TD, w_TK, *weights, idx_TK, held, fuse_grads)
         if action == WARM:

@@ -106,6 +106,37 @@ def test_off_cuda_a_layer_with_graphs_is_the_eager_layer():
     assert not graphs.graphs and not graphs.seen
 
 
+def test_a_failed_capture_leaves_the_layer_eager_and_says_so(monkeypatch, caplog):
+    import dataclasses
+
+    from moe_launch.kernels import moe_graph
+
+    attempts = []
+
+    def fail(*args, **kwargs):
+        attempts.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    # the decisions of a CUDA call, on CPU tensors; the capture itself fails
+    real = moe_graph.graph_action
+    monkeypatch.setattr(moe_graph, "graph_action", lambda call, *rest: real(dataclasses.replace(call, on_cuda=True),
+                                                                            *rest))
+    monkeypatch.setattr(moe_graph, "_Captured", fail)
+    _, _, _, ws = _call_args(seed=4)
+    graphs = ExpertGraphs()
+    outs = {None: [], "graphs": []}
+    with caplog.at_level("WARNING", logger=moe_graph.LOG.name):
+        for call in range(4):  # warm-up, failed capture, then eager for good
+            for key, gr in ((None, None), ("graphs", graphs)):
+                x, w_TK, idx_TK, _ = _call_args(seed=10 + call)
+                y = fast_experts(x, idx_TK, w_TK, *ws, graphs=gr)
+                y.backward(torch.ones_like(y))
+                outs[key] += [y.detach(), x.grad, w_TK.grad]
+    assert all(torch.equal(a, b) for a, b in zip(outs["graphs"], outs[None]))
+    assert len(attempts) == 1 and graphs.max_signatures == 0 and not graphs.graphs
+    assert sum("capturing the expert stage as a CUDA graph failed" in r.message for r in caplog.records) == 1
+
+
 def test_config_binds_one_graph_set_per_layer():
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=True)
     a, b = layer_mod.MoELayer(16, cfg), layer_mod.MoELayer(16, cfg)
