@@ -14,10 +14,11 @@ fast_experts: expert weights cast for the call under autocast, new tensors every
     wanted (evaluation has nothing to save, and nothing to gain from a second code path), inside torch.compile or
     inside another stream capture, or under saved-tensor hooks (activation checkpointing, as train.recompute and the
     routing-skew guard use it, and offloading): the hooks must see the saved tensors, which a graph keeps itself;
-  - the signature's graph still holds the saved state of a forward whose backward has not run (several micro-batches
-    in flight, as a pipeline schedule keeps them): a graph has one set of saved buffers;
   - the first call of a signature: it compiles the Triton kernels and sizes the allocator; the second captures;
-  - the layer already holds `max_signatures` graphs: shapes that change from step to step (an all-to-all
+  - every graph of the signature holds the saved state of a forward whose backward has not run, and the layer holds
+    `max_graphs` graphs already. A graph has one set of saved buffers, so several micro-batches in flight (a 1F1B
+    pipeline stage keeps up to pp of them) take one graph each, captured as they are first needed;
+  - a new signature when the layer holds `max_graphs` graphs: shapes that change from step to step (an all-to-all
     dispatcher's received token counts) would otherwise capture at every step. Eager from then on, said once.
 A signature is what a graph bakes in: the input shapes and dtypes, the weights' and gradient buffers' addresses
 (read and written in place by the replay), the expert range and GEMM path, and which gradients are wanted.
@@ -54,18 +55,18 @@ class CallShape:
     saved_tensor_hooks: bool
 
 
-def graph_action(call: CallShape, held: bool, busy: bool, seen: int, signatures: int, max_signatures: int) -> str:
-    """EAGER (run the eager Function), WARM (eager, and count the signature), CAPTURE (capture, then replay) or REPLAY.
-    held: a graph of this signature exists; busy: it holds a forward whose backward has not run; seen: eager calls of
-    this signature so far; signatures: graphs this layer holds."""
+def graph_action(call: CallShape, held: bool, free: bool, seen: int, graphs: int, max_graphs: int) -> str:
+    """EAGER (run the eager Function), WARM (eager, and count the signature), CAPTURE (capture a graph, then replay it)
+    or REPLAY. held: graphs of this signature exist; free: one of them holds no forward whose backward is still to
+    run; seen: eager calls of this signature so far; graphs: graphs this layer holds, of every signature."""
     if (not call.on_cuda or call.precision != "bf16" or not call.grad_wanted or call.compiling or call.capturing
             or call.saved_tensor_hooks):
         return EAGER
-    if held:
-        return EAGER if busy else REPLAY
-    if signatures >= max_signatures:
+    if held and free:
+        return REPLAY
+    if graphs >= max_graphs:
         return EAGER
-    return WARM if seen < 1 else CAPTURE
+    return WARM if not held and seen < 1 else CAPTURE
 
 
 class _Lease:
@@ -150,12 +151,12 @@ class _GraphedExperts(torch.autograd.Function):
 
 
 class ExpertGraphs:
-    """The captured graphs of one layer's expert stage, by signature (module docstring). max_signatures bounds how
-    many it keeps, and so the memory their pools hold."""
+    """The captured graphs of one layer's expert stage, by signature (module docstring). max_graphs bounds how many
+    it keeps over all signatures, and so the memory their pools hold."""
 
-    def __init__(self, max_signatures: int = 4):
-        self.max_signatures = max_signatures
-        self.graphs: dict[tuple, _Captured] = {}
+    def __init__(self, max_graphs: int = 4):
+        self.max_graphs = max_graphs
+        self.graphs: dict[tuple, list[_Captured]] = {}
         self.seen: dict[tuple, int] = {}
         self._said_full = False
 
@@ -170,29 +171,33 @@ class ExpertGraphs:
                          saved_tensor_hooks=saved_tensor_hooks_active())
         into = grad_buffers(weights, fuse_grads)
         sig = signature(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
-        held = self.graphs.get(sig)
-        action = graph_action(call, held is not None, held is not None and held.busy, self.seen.get(sig, 0),
-                              len(self.graphs), self.max_signatures)
+        held = self.graphs.get(sig, [])
+        free = next((g for g in held if not g.busy), None)
+        action = graph_action(call, bool(held), free is not None, self.seen.get(sig, 0), self.count(),
+                              self.max_graphs)
         if action == CAPTURE:
             try:
-                held = self.graphs[sig] = _Captured(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
+                free = _Captured(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
+                self.graphs.setdefault(sig, []).append(free)
             except Exception as e:  # noqa: BLE001  (a graph is an optimisation: training goes on eager)
-                self.max_signatures, self._said_full = len(self.graphs), True
+                self.max_graphs, self._said_full = self.count(), True
                 LOG.warning(f"capturing the expert stage as a CUDA graph failed ({type(e).__name__}: {e}); this "
                             "layer captures nothing more and runs eager where it has no graph")
                 action = EAGER
         if action in (CAPTURE, REPLAY):
-            return _GraphedExperts.apply(x_TD, w_TK, *weights, idx_TK, held, fuse_grads)
+            return _GraphedExperts.apply(x_TD, w_TK, *weights, idx_TK, free, fuse_grads)
         if action == WARM:
-            if len(self.seen) >= 4 * self.max_signatures:  # signatures that never come back: forget them
+            if len(self.seen) >= 4 * self.max_graphs:  # signatures that never come back: forget them
                 self.seen.clear()
             self.seen[sig] = self.seen.get(sig, 0) + 1
-        elif (call.on_cuda and call.grad_wanted and not self._said_full and held is None
-              and len(self.graphs) >= self.max_signatures):
+        elif call.on_cuda and call.grad_wanted and not held and not self._said_full and self.count() >= self.max_graphs:
             self._said_full = True
-            LOG.warning(f"the expert layer has captured CUDA graphs for {self.max_signatures} input signatures "
-                        "already; new ones run eager (shapes that change every step gain nothing from graphs)")
+            LOG.warning(f"the expert layer holds {self.max_graphs} CUDA graphs already; new input signatures run "
+                        "eager (shapes that change every step gain nothing from graphs)")
         return _FastExperts.apply(x_TD, w_TK, *weights, idx_TK, e_start, gemm_impl, precision, fuse_grads)
+
+    def count(self) -> int:
+        return sum(len(gs) for gs in self.graphs.values())
 
     def clear(self) -> None:
         """Drop every graph and its memory pool (e.g. before a phase with other shapes)."""

@@ -68,9 +68,15 @@ def grads_into_buffers_and_a_local_expert_range():
     print("ok: gradients added into .grad buffers inside the replayed backward, experts 8..15, bit-identical")
 
 
-def forwards_in_flight_fall_back_to_eager():
+def forwards_in_flight_take_a_graph_each():
+    for max_graphs in (4, 1):  # room for a second graph; none (the second forward runs eager)
+        _forwards_in_flight(max_graphs)
+    print("ok: forwards in flight take a graph each, or run eager past the cap; a dropped forward frees its graph")
+
+
+def _forwards_in_flight(max_graphs: int):
     ws_eager, ws_graph = _weights(2), _weights(2)
-    graphs = ExpertGraphs()
+    graphs = ExpertGraphs(max_graphs=max_graphs)
     _run(ws_graph, seed=20, graphs=graphs)
     _run(ws_graph, seed=21, graphs=graphs)  # captured: the graph now exists
     _run(ws_eager, seed=20)
@@ -79,19 +85,19 @@ def forwards_in_flight_fall_back_to_eager():
     for name, ws, gr in (("eager", ws_eager, None), ("graph", ws_graph, graphs)):
         a, b = _inputs(22), _inputs(23)
         ya = fast_experts(a[0], a[2], a[1], *ws, graphs=gr)  # replayed: the graph is busy until ya's backward
-        yb = fast_experts(b[0], b[2], b[1], *ws, graphs=gr)  # so this one runs eager
+        yb = fast_experts(b[0], b[2], b[1], *ws, graphs=gr)  # a second graph, or eager past the cap
         yb.backward(b[3])
         ya.backward(a[3])
         outs[name] = [ya.detach(), yb.detach(), a[0].grad, b[0].grad, a[1].grad, b[1].grad, *(w.grad for w in ws)]
-    _same(outs["graph"], outs["eager"], "two forwards in flight")
+    _same(outs["graph"], outs["eager"], f"two forwards in flight, max_graphs {max_graphs}")
+    assert graphs.count() == min(2, max_graphs), graphs.count()
     # a forward whose backward never runs frees the graph once its autograd graph is gone
     x, w_TK, idx_TK, _ = _inputs(24)
     y = fast_experts(x, idx_TK, w_TK, *ws_graph, graphs=graphs)
-    held = next(iter(graphs.graphs.values()))
+    held = next(iter(graphs.graphs.values()))[0]
     assert held.busy
     del y
     assert not held.busy
-    print("ok: a second forward in flight runs eager; a dropped forward frees the graph")
 
 
 def no_grad_and_retain_graph():
@@ -104,7 +110,7 @@ def no_grad_and_retain_graph():
         y_graph = fast_experts(x, idx_TK, w_TK, *ws_graph, graphs=graphs)
         y_eager = fast_experts(x, idx_TK, w_TK, *ws_eager)
     assert torch.equal(y_graph, y_eager)
-    held = next(iter(graphs.graphs.values()))
+    held = next(iter(graphs.graphs.values()))[0]
     replays = held.gen
     got, want = [], []
     for ws, gr, out in ((ws_graph, graphs, got), (ws_eager, None, want)):
@@ -139,7 +145,7 @@ def under_activation_checkpointing():
     for seed in (50, 51):  # captured
         _run(ws_graph, seed=seed, graphs=graphs)
         _run(ws_eager, seed=seed)
-    held = next(iter(graphs.graphs.values()))
+    held = next(iter(graphs.graphs.values()))[0]
     replays = held.gen
     outs = []
     for ws, gr in ((ws_eager, None), (ws_graph, graphs)):
@@ -155,7 +161,7 @@ def under_activation_checkpointing():
 
 def signature_cap():
     ws = _weights(4)
-    graphs = ExpertGraphs(max_signatures=1)
+    graphs = ExpertGraphs(max_graphs=1)
     for seed in (40, 41, 42):
         _run(ws, seed=seed, graphs=graphs)
     global T
@@ -165,7 +171,7 @@ def signature_cap():
             _run(ws, seed=seed, graphs=graphs)
     finally:
         T = t0
-    assert len(graphs.graphs) == 1, len(graphs.graphs)
+    assert graphs.count() == 1, graphs.count()
     # fp32 master weights under autocast: cast to new bf16 tensors in every call, so nothing to capture
     ws32 = [w.detach().float().requires_grad_() for w in _weights(6)]
     graphs32 = ExpertGraphs()
@@ -175,13 +181,13 @@ def signature_cap():
             y = fast_experts(x, idx_TK, w_TK, *ws32, graphs=graphs32)
         y.backward(dy)
     assert not graphs32.graphs and not graphs32.seen and ws32[0].grad.dtype == torch.float32
-    print("ok: past max_signatures a new shape runs eager; weights cast per call are never captured")
+    print("ok: past max_graphs a new shape runs eager; weights cast per call are never captured")
 
 
 if __name__ == "__main__":
     calls_replay_bit_for_bit()
     grads_into_buffers_and_a_local_expert_range()
-    forwards_in_flight_fall_back_to_eager()
+    forwards_in_flight_take_a_graph_each()
     no_grad_and_retain_graph()
     under_activation_checkpointing()
     signature_cap()

@@ -22,32 +22,35 @@ GRAPHABLE = CallShape(on_cuda=True, precision="bf16", grad_wanted=True, compilin
                       saved_tensor_hooks=False)
 
 
-def _action(call=GRAPHABLE, held=False, busy=False, seen=0, signatures=0, max_signatures=4):
-    return graph_action(call, held, busy, seen, signatures, max_signatures)
+def _action(call=GRAPHABLE, held=False, free=False, seen=0, graphs=0, max_graphs=4):
+    return graph_action(call, held, free, seen, graphs, max_graphs)
 
 
 def test_first_call_warms_second_captures_then_replays():
     assert _action(seen=0) == WARM
     assert _action(seen=1) == CAPTURE
-    assert _action(held=True, seen=1) == REPLAY
+    assert _action(held=True, free=True, seen=1, graphs=1) == REPLAY
 
 
-def test_a_graph_holding_a_forward_in_flight_is_not_replayed():
-    assert _action(held=True, busy=True) == EAGER
+def test_forwards_in_flight_take_a_graph_each_up_to_the_cap():
+    # every graph of the signature holds a forward whose backward is still to run (a 1F1B stage's micro-batches)
+    assert _action(held=True, free=False, graphs=1) == CAPTURE
+    assert _action(held=True, free=False, graphs=3) == CAPTURE
+    assert _action(held=True, free=False, graphs=4) == EAGER
 
 
 @pytest.mark.parametrize("change", [dict(on_cuda=False), dict(precision="fp8"), dict(grad_wanted=False),
                                     dict(compiling=True), dict(capturing=True), dict(saved_tensor_hooks=True)])
 def test_calls_a_graph_cannot_serve_run_eager(change):
     call = CallShape(**{**GRAPHABLE.__dict__, **change})
-    assert _action(call=call, held=True) == EAGER
+    assert _action(call=call, held=True, free=True) == EAGER
     assert _action(call=call, seen=5) == EAGER
 
 
-def test_no_new_capture_past_max_signatures_but_held_graphs_still_replay():
-    assert _action(seen=3, signatures=4, max_signatures=4) == EAGER
-    assert _action(seen=0, signatures=4, max_signatures=4) == EAGER
-    assert _action(held=True, signatures=4, max_signatures=4) == REPLAY
+def test_no_new_capture_past_max_graphs_but_held_graphs_still_replay():
+    assert _action(seen=3, graphs=4, max_graphs=4) == EAGER
+    assert _action(seen=0, graphs=4, max_graphs=4) == EAGER
+    assert _action(held=True, free=True, graphs=4, max_graphs=4) == REPLAY
 
 
 def test_activation_checkpointing_is_seen_in_both_of_its_passes():
@@ -133,7 +136,7 @@ def test_a_failed_capture_leaves_the_layer_eager_and_says_so(monkeypatch, caplog
                 y.backward(torch.ones_like(y))
                 outs[key] += [y.detach(), x.grad, w_TK.grad]
     assert all(torch.equal(a, b) for a, b in zip(outs["graphs"], outs[None]))
-    assert len(attempts) == 1 and graphs.max_signatures == 0 and not graphs.graphs
+    assert len(attempts) == 1 and graphs.max_graphs == 0 and not graphs.graphs
     assert sum("capturing the expert stage as a CUDA graph failed" in r.message for r in caplog.records) == 1
 
 
