@@ -78,7 +78,8 @@ class _Lease:
 
 
 class _Captured:
-    """One signature's forward and backward graphs, their static inputs and outputs, and who holds the saved state."""
+    """One forward and one backward graph of a signature, their static inputs and outputs, and whether a forward
+    whose backward is still to run holds the saved state."""
 
     def __init__(self, x_TD, w_TK, idx_TK, weights, e_start: int, gemm_impl: str, need: tuple[bool, ...], into):
         self.x_TD, self.w_TK, self.idx_TK = x_TD.detach().clone(), w_TK.detach().clone(), idx_TK.clone()
