@@ -1,6 +1,12 @@
-"""Random routing for the kernel tests (imported by the test modules of this folder)."""
+"""Helpers of the kernel tests (imported by the test modules of this folder): error metric, random routing, and
+running a script of this folder with Triton compiling rather than interpreting."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -16,3 +22,13 @@ def random_idx(T: int, K: int, num_experts: int, gen: torch.Generator, skip: ran
     assert len(pool) >= K
     scores = torch.rand(T, len(pool), generator=gen)
     return pool[scores.topk(K, dim=1).indices]
+
+
+def run_compiled(script: str) -> str:
+    """Run this folder's `script` in a process without TRITON_INTERPRET (the tests here interpret Triton, and a mode
+    is fixed when triton is imported); assert it exited 0 and return its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout

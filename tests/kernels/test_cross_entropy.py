@@ -5,13 +5,9 @@ logits stay as they were. The compiled kernel through the whole chunked head: gp
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kernel_helpers import run_compiled
 
 from moe_launch.kernels.cross_entropy import softmax_xent_
 from moe_launch.trainer.model.loss import IGNORE_INDEX, softmax_xent_torch
@@ -74,8 +70,5 @@ def test_rows_must_be_contiguous():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernel)")
 def test_compiled_kernel_in_the_chunked_head_on_the_gpu():
     """gpu_cross_entropy.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_cross_entropy.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 4, proc.stdout
+    out = run_compiled("gpu_cross_entropy.py")
+    assert out.count("ok ") == 4, out

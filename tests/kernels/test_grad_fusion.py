@@ -6,14 +6,9 @@ checked by the GPU test at the end)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from kernel_helpers import random_idx, rel_err
+from kernel_helpers import random_idx, rel_err, run_compiled
 
 from moe_launch.conf.schema import MoEConfig
 from moe_launch.kernels import grouped_gemm
@@ -106,8 +101,5 @@ def test_the_config_flag_reaches_the_kernels():
 def test_tma_epilogue_add_on_the_gpu():
     """The compiled kernel (this folder's tests interpret Triton, which has no TMA): gpu_wgrad_add.py in a process
     without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_wgrad_add.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 3, proc.stdout
+    out = run_compiled("gpu_wgrad_add.py")
+    assert out.count("ok ") == 3, out

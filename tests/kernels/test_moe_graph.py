@@ -4,13 +4,9 @@ on. Capture and replay themselves need a GPU: gpu_moe_graph.py checks them bit f
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from kernel_helpers import run_compiled
 
 from moe_launch.conf.schema import MoEConfig
 from moe_launch.errors import ConfigError
@@ -158,8 +154,5 @@ def test_cuda_graph_outside_the_bf16_kernels_is_refused(bad):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (capture and replay)")
 def test_graphs_replay_bit_for_bit_on_the_gpu():
     """gpu_moe_graph.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_moe_graph.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok: ") == 6, proc.stdout
+    out = run_compiled("gpu_moe_graph.py")
+    assert out.count("ok: ") == 6, out

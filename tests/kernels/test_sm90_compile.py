@@ -4,12 +4,8 @@ back end."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from kernel_helpers import run_compiled
 
 
 def test_fp8_kernels_compile_for_sm90():
@@ -17,8 +13,5 @@ def test_fp8_kernels_compile_for_sm90():
         from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
     except ImportError as e:
         pytest.skip(f"Triton without its NVIDIA back end: {e}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("sm90_compile.py"))], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 9, proc.stdout
+    out = run_compiled("sm90_compile.py")
+    assert out.count("ok ") == 9, out
