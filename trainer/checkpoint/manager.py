@@ -30,7 +30,7 @@ import torch
 from moe_launch.rundir import RunDir, journal_event
 from moe_launch.trainer.checkpoint.persist import AsyncCheckpointer, PersistResult, Target, checkpoint_comm
 from moe_launch.trainer.checkpoint.state import FileNames, file_object
-from moe_launch.trainer.checkpoint.store import checkpoint_bytes, next_slot
+from moe_launch.trainer.checkpoint.store import next_slot
 from moe_launch.trainer.tracking.steplog import LOGGER
 
 log = logging.getLogger(LOGGER)
@@ -60,7 +60,8 @@ class CheckpointManager:
         self.requested_step = last_step  # the newest full checkpoint requested (maybe still persisting)
         self.model_meta, self.kill_hook = model_meta, kill_hook
         self.failures: list[PersistResult] = []
-        self.writer = AsyncCheckpointer(device, checkpoint_comm(device), self._journal)
+        self.writer = AsyncCheckpointer(device, checkpoint_comm(device), self._journal,
+                                        on_commit=self._journal_commit)
         self._pending_slot: Optional[str] = None
         self._warned_stall = False
 
@@ -142,17 +143,22 @@ class CheckpointManager:
         self.failures.append(result)
         return persist_failure_reason(self.failures)
 
-    def _journal(self, r: PersistResult) -> None:
-        """Runs in the background thread when a persist ends (every rank; rank 0 writes)."""
+    def _journal_commit(self, r: PersistResult) -> None:
+        """Runs in the background thread on rank 0 the moment a checkpoint directory is valid (a peer may still be
+        lost before the persist ends: the checkpoint stays valid and resumable, so it is recorded here)."""
         if not self.leader:
             return
         for d in r.done:
             name = Path(d).name
             extra = {"model_only": True} if name.startswith("model-") else {}
             journal_event(self.run_dir, "checkpoint", [], slot=name, step=r.step, stall_s=round(r.stall_s, 4),
-                          durable_s=round(r.durable_s, 3), waited_s=round(r.waited_s, 3),
-                          bytes=checkpoint_bytes(Path(d)), pinned_bytes=self.pinned_bytes,
-                          scratch_bytes=self.writer.snapshot.scratch_bytes, **extra)
+                          durable_s=round(r.durable_s, 3), waited_s=round(r.waited_s, 3), bytes=r.bytes,
+                          pinned_bytes=self.pinned_bytes, scratch_bytes=self.writer.snapshot.scratch_bytes, **extra)
+
+    def _journal(self, r: PersistResult) -> None:
+        """Runs in the background thread when a persist ends (every rank; rank 0 writes its failure)."""
+        if not self.leader:
+            return
         if not r.ok:
             journal_event(self.run_dir, "checkpoint", [], failed=True, step=r.step, path=r.error_path,
                           error=r.error, durable_s=round(r.durable_s, 3))

@@ -10,7 +10,8 @@
 slot choice of the next checkpoint needs its outcome), then captures `state` ({relpath: tree of tensors}) into the
 reusable host buffers of `snapshot.HostSnapshot` and hands the write to a new background thread. That thread waits
 for the copies, then runs `store.write_checkpoint` for each target in order (serialise, digest, write, fsync,
-manifest last, atomic rename), and finally calls `on_result(PersistResult)` on every rank. Write errors (ENOSPC,
+manifest last, atomic rename), calls `on_commit(PersistResult)` on rank 0 as each target becomes valid, and
+finally calls `on_result(PersistResult)` on every rank. Write errors (ENOSPC,
 EIO, EROFS) come back as a failed result naming the path and the error, identical on every rank (the store
 all-gathers them), so every rank takes the same decision at its next `wait`.
 
@@ -70,9 +71,10 @@ def checkpoint_comm(device: torch.device) -> Comm:
 
 
 class AsyncCheckpointer:
-    def __init__(self, device: torch.device, comm: Comm, on_result: Callable[[PersistResult], None]):
+    def __init__(self, device: torch.device, comm: Comm, on_result: Callable[[PersistResult], None],
+                 on_commit: Optional[Callable[[PersistResult], None]] = None):
         self.snapshot = HostSnapshot(device)
-        self.comm, self.on_result = comm, on_result
+        self.comm, self.on_result, self.on_commit = comm, on_result, on_commit
         self._thread: Optional[threading.Thread] = None
         self._result: Optional[PersistResult] = None
         self._exc: Optional[BaseException] = None
@@ -143,7 +145,8 @@ class AsyncCheckpointer:
                     files = {rel: future.result for rel, future in built.items()}
                     try:
                         write_checkpoint(t.final_dir, step, files, self.comm, meta=t.meta,
-                                         after_shards=t.after_shards)
+                                         after_shards=t.after_shards,
+                                         on_commit=lambda d: self._committed(d, step, t0, stall_s, waited_s))
                     except CheckpointWriteError as e:
                         result.ok, result.error, result.error_path = False, e.error, e.path
                         for future in built.values():
@@ -157,4 +160,10 @@ class AsyncCheckpointer:
             self.on_result(result)
         except BaseException as e:  # handed to the training thread at its next wait()
             self._exc = e
+
+    def _committed(self, final_dir: Path, step: int, t0: float, stall_s: float, waited_s: float) -> None:
+        if self.on_commit is not None:
+            self.on_commit(PersistResult(step=step, dirs=[str(final_dir)], ok=True, stall_s=stall_s,
+                                         durable_s=time.perf_counter() - t0, bytes=checkpoint_bytes(final_dir),
+                                         waited_s=waited_s, done=[str(final_dir)]))
 

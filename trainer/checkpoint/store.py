@@ -9,8 +9,8 @@ LAST, that lists every file with its digest and size. Protocol of `write_checkpo
      dict is fine)
   3. digests (or each rank's write error) are all-gathered; if any rank failed, every rank raises
      CheckpointWriteError and the leader removes the tmp dir; otherwise the leader writes the manifest (fsync),
-     fsyncs the tmp dir, renames an existing `final_dir` aside, renames tmp -> final_dir, fsyncs the parent and only
-     then removes the old copy; barrier.
+     fsyncs the tmp dir, renames an existing `final_dir` aside, renames tmp -> final_dir, fsyncs the parent,
+     records the checkpoint (`on_commit`) and only then removes the old copy; it broadcasts the outcome.
 
 A directory without a verifying manifest is never used, so a crash or a write error at any point leaves the previous
 content of every OTHER directory intact. The dual slots (ckpt-a / ckpt-b) rely on this: a new checkpoint always goes
@@ -210,12 +210,15 @@ def _make_room(final_dir: Path) -> None:
 
 
 def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Comm, meta: Optional[dict] = None,
-                     after_shards: Optional[Callable[[], None]] = None) -> Path:
+                     after_shards: Optional[Callable[[], None]] = None,
+                     on_commit: Optional[Callable[[Path], None]] = None) -> Path:
     """Collective: every rank of `comm` must call it. `files` are this rank's shards (relpath -> object, or a
     zero-argument callable returning it, called just before its file is written); relpaths must be unique across
     ranks. `after_shards` runs on each rank once its shards are on disk, before the manifest exists (fault-injection
-    hook: a kill there must leave no usable checkpoint). Raises CheckpointWriteError on every rank if any rank's
-    write failed (nothing renamed, the tmp dir removed)."""
+    hook: a kill there must leave no usable checkpoint). `on_commit(final_dir)` runs on rank 0 the moment the
+    checkpoint is valid, before the other ranks hear of it: a peer lost during that last exchange fails the write
+    there, yet the checkpoint is valid and a resume will use it, so it must be on record. Raises
+    CheckpointWriteError on every rank if any rank's write failed (nothing renamed, the tmp dir removed)."""
     final_dir = Path(final_dir)
     tmp = final_dir.with_name(f".{final_dir.name}.tmp")
     failure: Optional[tuple[str, str]] = None
@@ -259,7 +262,7 @@ def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Co
     commit_error: Optional[tuple[str, str]] = None
     if comm.rank == 0:
         try:
-            _commit(final_dir, tmp, step, merged, meta)
+            _commit(final_dir, tmp, step, merged, meta, on_commit)
         except OSError as e:
             commit_error = (str(final_dir), _describe(e))
             shutil.rmtree(tmp, ignore_errors=True)
@@ -269,7 +272,8 @@ def write_checkpoint(final_dir: Path, step: int, files: dict[str, Any], comm: Co
     return final_dir
 
 
-def _commit(final_dir: Path, tmp: Path, step: int, merged: dict[str, dict], meta: Optional[dict]) -> None:
+def _commit(final_dir: Path, tmp: Path, step: int, merged: dict[str, dict], meta: Optional[dict],
+            on_commit: Optional[Callable[[Path], None]] = None) -> None:
     for sub in {(tmp / rel).parent for rel in merged}:
         fsync_file(sub)
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": merged, "meta": meta or {}}
@@ -281,6 +285,11 @@ def _commit(final_dir: Path, tmp: Path, step: int, merged: dict[str, dict], meta
         os.replace(final_dir, old)
     os.replace(tmp, final_dir)
     fsync_file(final_dir.parent)
+    if on_commit is not None:
+        try:
+            on_commit(final_dir)
+        except Exception as e:  # a record that cannot be written must not fail a valid checkpoint
+            logging.getLogger(LOGGER).warning(f"{final_dir}: written, but recording it failed: {e}")
     shutil.rmtree(old, ignore_errors=True)
 
 
