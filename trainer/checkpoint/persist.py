@@ -166,4 +166,3 @@ class AsyncCheckpointer:
             self.on_commit(PersistResult(step=step, dirs=[str(final_dir)], ok=True, stall_s=stall_s,
                                          durable_s=time.perf_counter() - t0, bytes=checkpoint_bytes(final_dir),
                                          waited_s=waited_s, done=[str(final_dir)]))
-
