@@ -120,7 +120,8 @@ def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
             "idle_experts": int((counts_E == 0).sum())}
 
 
-def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False) -> dict:
+def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False,
+              gemm_impl: str = "auto") -> dict:
     from moe_launch.kernels.fp8_weights import reuse_weights
     from moe_launch.kernels.moe import fast_experts
     from moe_launch.kernels.moe_graph import ExpertGraphs
@@ -138,14 +139,13 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
     res = {"dims": asdict(d), "flops": expert_flops(d), "load": load_stats(x_TD, params[0], bias_E, d, shape.hot),
            "rows": {}}
     log(f"{shape.name}: {asdict(d)} load {res['load']}")
-    layers = {OURS_BF16: make_layer(fast_experts, params, d.K, bias_E=bias_E)}
+    ours = {"bias_E": bias_E, "gemm_impl": gemm_impl}
+    layers = {OURS_BF16: make_layer(fast_experts, params, d.K, **ours)}
     if fp8:
-        layers[OURS_FP8] = layers[OURS_FP8_REUSED] = make_layer(fast_experts, params, d.K, bias_E=bias_E,
-                                                                precision="fp8")
-    layers[OURS_INTO] = make_layer(fast_experts, params, d.K, bias_E=bias_E, fuse_grad_accumulation=True)
+        layers[OURS_FP8] = layers[OURS_FP8_REUSED] = make_layer(fast_experts, params, d.K, precision="fp8", **ours)
+    layers[OURS_INTO] = make_layer(fast_experts, params, d.K, fuse_grad_accumulation=True, **ours)
     graphs = ExpertGraphs()
-    layers[OURS_GRAPH] = make_layer(fast_experts, params, d.K, bias_E=bias_E, fuse_grad_accumulation=True,
-                                    graphs=graphs)
+    layers[OURS_GRAPH] = make_layer(fast_experts, params, d.K, fuse_grad_accumulation=True, graphs=graphs, **ours)
     layers[NAIVE] = layers[NAIVE_INTO] = make_layer(naive_experts, params, d.K, bias_E=bias_E)
 
     def fwd_bwd(layer):
@@ -287,8 +287,13 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
+    ap.add_argument("--gemm-impl", default="auto", choices=("auto", "torch", "tma"),
+                    help="the row GEMMs of our rows: auto (the layer's choice per shape), torch (CUTLASS) or tma (our "
+                         "persistent TMA kernel)")
     args = ap.parse_args()
-    log = file_log(args.out, "moe_shapes.log" if args.which == "common" else f"moe_shapes-{args.which}.log")
+    stem = "moe_shapes" + ("" if args.which == "common" else f"-{args.which}") + (
+        "" if args.gemm_impl == "auto" else f"-{args.gemm_impl}")
+    log = file_log(args.out, f"{stem}.log")
 
     import triton
 
@@ -298,6 +303,7 @@ def main() -> None:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     fp8 = fp8_gemm_supported(device)
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+           "gemm_impl": args.gemm_impl,
            "triton": triton.__version__, "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "fp8_rows": fp8}
     log(json.dumps(env))
@@ -317,7 +323,8 @@ def main() -> None:
     for shape in (s for s in shapes(args.smoke, args.which) if not wanted or any(w in s.name for w in wanted)):
         t0 = time.perf_counter()
         try:
-            results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile)
+            results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile,
+                                            args.gemm_impl)
         except Exception as e:  # noqa: BLE001  (an OOM or a crash is one row of the table, not the end of the run)
             results[shape.name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             log(f"{shape.name} failed: {e!r}\n{traceback.format_exc()}"[:2000])
@@ -328,8 +335,7 @@ def main() -> None:
     log("")
     for line in table(results, dense):
         log(line)
-    with open(os.path.join(args.out, "moe_shapes.json" if args.which == "common" else f"moe_shapes-{args.which}.json"),
-              "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump({"env": env, "spec_tflops": SPEC_TFLOPS, "dense_tflops": dense, "shapes": results}, f, indent=1,
                   default=str)
 

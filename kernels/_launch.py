@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import triton
 from triton.runtime.jit import JITFunction
 
 
@@ -30,3 +31,14 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _scratch(size: int, align: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_allocator() -> None:
+    """Device-side TMA descriptors need scratch memory from the caller's allocator (torch's, here). Set before every
+    launch of a kernel that makes them: Triton keeps it in a context variable, so one set in the autograd engine's
+    device thread is not seen by a launch from the main thread (a CUDA graph capturing the backward there)."""
+    triton.set_allocator(_scratch)

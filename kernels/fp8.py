@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_launch.kernels import grouped_gemm_tma as tma
 from moe_launch.kernels._launch import launch, next_pow2
 
 E4M3 = torch.float8_e4m3fn
@@ -290,15 +291,21 @@ def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch
 
 def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch", compact: bool = True) -> torch.Tensor:
     """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16, N rows.
-    impl: "torch" (sm90; anything else is refused here rather than silently slow) | "reference". compact=False lets
+    impl: "torch" | "tma" (our persistent kernel; both sm90: anything else is refused here rather than silently slow)
+    | "reference". compact=False lets
     the result be a view of a larger buffer (see scaled_grouped_mm_torch). aq_NK and as_N may hold more than the
     plan's N rows (a producer's presented rows)."""
     N = plan.row_token_N.numel()
     if impl == "reference":
         return scaled_grouped_mm_reference(aq_NK[:N], as_N[:N], bq_EKM, bs_EM, plan.offsets_E1)
-    if impl != "torch":
-        raise ValueError(f"FP8 grouped GEMM impl {impl!r} is not one of ('torch', 'reference')")
+    if impl not in ("torch", "tma"):
+        raise ValueError(f"FP8 grouped GEMM impl {impl!r} is not one of ('torch', 'tma', 'reference')")
     if not fp8_gemm_supported(aq_NK.device):
-        raise RuntimeError(f"the FP8 grouped GEMM (torch._scaled_grouped_mm) needs an sm90 GPU; got {aq_NK.device} "
+        raise RuntimeError(f"the FP8 grouped GEMM needs an sm90 GPU; got {aq_NK.device} "
                            "(use precision='bf16', or gemm_impl='reference' for the slow fp32 emulation)")
+    if impl == "tma":
+        E, K, M = bq_EKM.shape
+        tiles = tma.choose(N, K, M, E, scaled=True) or tma.default_tiles(scaled=True)
+        return tma.grouped_mm_persistent(aq_NK[:N], bq_EKM, plan.counts_E, plan.offsets_E1, as_N[:N], bs_EM,
+                                         tiles=tiles)
     return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E, compact, n_rows=N)

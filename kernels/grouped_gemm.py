@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels import grouped_gemm_tma as tma
+from moe_launch.kernels._launch import launch, next_pow2, tma_allocator
 
 
 @triton.jit
@@ -169,17 +170,6 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.dtype in (torch.bfloat16, torch.float16) and t.stride(-1) == 1 and aligned_16(t) for t in tensors)
 
 
-def _scratch(size: int, align: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _tma_allocator() -> None:
-    """Device-side TMA descriptors need scratch memory from the caller's allocator (torch's, here). Set at every
-    launch: Triton keeps it in a context variable, so one set in the autograd engine's device thread is not seen by
-    a launch from the main thread (a CUDA graph capturing the backward there)."""
-    triton.set_allocator(_scratch)
-
-
 def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: torch.Tensor,
                             out_EMK: torch.Tensor | None = None, tiles: WgradTiles | None = None) -> torch.Tensor:
     """out_EMK given: the products are added to it in place (its dtype; accumulated in fp32 inside the kernel)."""
@@ -191,7 +181,7 @@ def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: 
     cuda = a_NM.is_cuda
     t = tiles or wgrad_tiles(M, K, cuda, tma_ok(a_NM, b_NK))
     if t.tma:
-        _tma_allocator()
+        tma_allocator()
     grid = (triton.cdiv(K, t.BN), triton.cdiv(M, t.BM), E)
     launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
            b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=t.BM, BN=t.BN, BR=t.BR,
@@ -243,20 +233,39 @@ def grouped_mm_wgrad_reference(a_NM, b_NK, offsets_E1):
     return c_EMK
 
 
-IMPLS = ("auto", "torch", "triton", "reference")
+IMPLS = ("auto", "torch", "tma", "triton", "reference")
 
 
 def pick(impl: str, *tensors: torch.Tensor) -> str:
+    """The path of a weight-gradient GEMM ("tma" has none of its own: it takes auto's)."""
     if impl not in IMPLS:
         raise ValueError(f"grouped GEMM impl {impl!r} is not one of {IMPLS}")
-    if impl == "auto":
+    if impl in ("auto", "tma"):
         return "torch" if torch_path_ok(*tensors) else "triton"
     return impl
 
 
+def pick_rows(impl: str, a_NK: torch.Tensor, b_EKM: torch.Tensor) -> tuple[str, tma.Tiles | None]:
+    """The path (and, for "tma", the tile) of a row GEMM: "auto" takes our persistent TMA kernel where the CUTLASS
+    path could run and our kernel ran faster at the shape (grouped_gemm_tma.choose); "tma" wherever its descriptors
+    can read the operands (sm90+, or the CPU under the interpreter), else what "auto" would take."""
+    N, K = a_NK.shape
+    E, M = b_EKM.shape[0], b_EKM.shape[2]
+    if impl == "tma" and tma.usable(a_NK, b_EKM) and (
+            not a_NK.is_cuda or torch.cuda.get_device_capability(a_NK.device)[0] >= 9):
+        return "tma", tma.choose(N, K, M, E, scaled=False) or tma.default_tiles(scaled=False)
+    if impl == "auto" and torch_path_ok(a_NK, b_EKM) and tma.usable(a_NK, b_EKM):
+        tiles = tma.choose(N, K, M, E, scaled=False)
+        if tiles is not None:
+            return "tma", tiles
+    return pick(impl, a_NK, b_EKM), None
+
+
 def grouped_mm(a_NK, b_EKM, plan, impl: str = "auto") -> torch.Tensor:
     """c_NM[r] = a_NK[r] @ b_EKM[e(r)] for rows r < R of a RoutePlan (or anything with counts_E/ends_E/offsets_E1)."""
-    impl = pick(impl, a_NK, b_EKM)
+    impl, tiles = pick_rows(impl, a_NK, b_EKM)
+    if impl == "tma":
+        return tma.grouped_mm_persistent(a_NK, b_EKM, plan.counts_E, plan.offsets_E1, tiles=tiles)
     if impl == "torch":
         return grouped_mm_torch(a_NK, b_EKM, plan.ends_E)
     if impl == "triton":

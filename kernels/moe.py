@@ -39,6 +39,7 @@ import torch
 
 from moe_launch.conf.schema import FP8_DIM_MULTIPLE
 from moe_launch.kernels import fp8
+from moe_launch.kernels import grouped_gemm_tma as tma
 from moe_launch.kernels.fp8_weights import ExpertOperands, Operand
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_add_
@@ -178,20 +179,28 @@ def weight_grad(a_NM, b_NK, plan: RoutePlan, impl: str, needed: bool, into: torc
 
 class _Fp8Gemms:
     """The FP8 grouped GEMMs of one plan: `mm(aq_NK, as_N, (bq_EKM, bs_EM))`, a weight operand from
-    kernels/fp8_weights.py. gemm_impl "reference" emulates in fp32; any other runs torch._scaled_grouped_mm."""
+    kernels/fp8_weights.py. gemm_impl "reference" emulates in fp32, "torch" runs torch._scaled_grouped_mm, "tma" our
+    persistent TMA kernel; "auto" (or "triton") picks one of the last two per GEMM shape (grouped_gemm_tma.choose)."""
 
     def __init__(self, plan: RoutePlan, gemm_impl: str):
         self.plan = plan
-        self.impl = "reference" if gemm_impl == "reference" else "torch"
+        self.gemm_impl = gemm_impl
+
+    def impl(self, K: int, M: int) -> str:
+        if self.gemm_impl in ("reference", "torch", "tma"):
+            return self.gemm_impl
+        N, E = self.plan.row_token_N.numel(), self.plan.ends_E.numel()
+        return "tma" if tma.choose(N, K, M, E, scaled=True) is not None else "torch"
 
     def __call__(self, aq_NK: torch.Tensor, as_N: torch.Tensor, b: Operand, saved: bool = True) -> torch.Tensor:
         """saved=False: the result is used once and freed, so it may be a view of a larger buffer."""
-        return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, self.impl, compact=saved)
+        impl = self.impl(aq_NK.shape[1], b[0].shape[2])
+        return fp8.scaled_grouped_mm(aq_NK, as_N, *b, self.plan, impl, compact=saved)
 
     def presented(self, K: int, M: int) -> int:
         """How many rows an [N, K] @ [E, K, M] GEMM hands torch (kernels/fp8.py rows_to_present): the capacity its
-        a operand's producer allocates, so that it is not copied there."""
-        if self.impl != "torch":
+        a operand's producer allocates, so that it is not copied there. Our kernel needs none."""
+        if self.impl(K, M) != "torch":
             return 0
         return fp8.rows_to_present(self.plan.row_token_N.numel(), self.plan.ends_E.numel(), K, M)
 
@@ -223,7 +232,8 @@ def fast_experts(
 ) -> torch.Tensor:
     """Same contract as trainer.moe.reference.experts_reference: y[t] = sum over local k of w[t,k] * expert(x[t]).
 
-    gemm_impl: "auto" (torch grouped_mm on sm90 bf16, else our Triton kernel), "torch", "triton" or "reference".
+    gemm_impl: "auto" (on sm90 in bf16 or FP8: per GEMM shape our persistent TMA kernel or torch's CUTLASS one,
+    kernels/grouped_gemm_tma.choose; elsewhere our Triton kernel), "torch", "tma", "triton" or "reference".
     precision: "bf16" | "fp8" (the module docstring says which GEMMs; "fp8" needs an sm90 GPU and D and F multiples
     of 16 unless gemm_impl is "reference", which emulates the FP8 GEMMs in fp32).
     Under torch.autocast the expert computation runs in the autocast dtype, as F.linear would, and y_TD comes back in

@@ -1,0 +1,174 @@
+"""A persistent grouped GEMM that reads its tiles through TMA descriptors: bf16, or e4m3 with row-wise scales.
+
+Same contract as kernels/grouped_gemm.py's row form, with the FP8 scaling of kernels/fp8.py:
+  c_NM[r] = a_NK[r] @ b_EKM[e(r)]                                  (bf16 / fp16 operands)
+  c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)])    (e4m3 operands, fp32 scales)
+for rows r < R = offsets_E1[E]; rows >= R of c are left unwritten. Output bf16 (or a's dtype for 16-bit inputs).
+
+One program per multiprocessor walks the output tiles (expert row tile, column tile), column tiles fastest, so the
+programs running at once share the A rows they read and one expert's weights in L2. Each tile finds its expert from
+per-expert cumulative tile counts kept on the device (no host sync). The A descriptor spans all N rows: a row tile
+that runs past its expert's last row computes rows of the next expert, which the masked store drops. B is read as a
+3-d [E, K, M] (or [E, M, K]) descriptor, so a tile never reads across an expert's end.
+
+FP8 accumulates in fp32: the tensor cores' partial sums are added into the fp32 accumulator every PROMOTE_K
+elements of K (DeepSeek-V3's promotion interval, 128), as torch._scaled_grouped_mm does with use_fast_accum=False.
+e4m3 tiles must be K-major on both sides (Hopper's 8-bit MMA reads no transposed operand): b_EKM stored as [E, M, K],
+which is how kernels/fp8_weights.py lays out every weight operand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_launch.kernels._launch import launch, next_pow2, tma_allocator
+
+PROMOTE_K = 128
+
+
+@dataclass(frozen=True)
+class Tiles:
+    BM: int = 128
+    BN: int = 256
+    BK: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 1  # row tiles walked side by side before the next column tile (1: columns fastest)
+    flatten: bool = False  # one software pipeline over all of a program's tiles (the epilogue overlaps loads)
+
+
+def default_tiles(scaled: bool) -> Tiles:
+    """The tile that ran fastest at the OLMoE shapes (benchmarks/grouped_gemm_tiles.py)."""
+    return Tiles(256, 128, 128, 8, 3) if scaled else Tiles(128, 256, 64, 8, 3)
+
+
+def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
+    """The tile for an a [N, K] @ b [E, K, M] grouped GEMM, or None where torch's CUTLASS kernel ran faster at such
+    shapes (benchmarks/grouped_gemm_tiles.py). Pure."""
+    return default_tiles(scaled)
+
+
+@triton.jit
+def _gmm_persistent_kernel(
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,  # a [N, K]; b [E, K, M] as strided; c [N, M]; as [N], bs [E, M] fp32
+    offsets_ptr, tile_ends_ptr,  # int32 [E+1] row offsets; int32 [E] cumulative BM-row tiles per expert
+    N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
+    SCALED: tl.constexpr, PROMOTE: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    experts = tl.arange(0, E_PAD)
+    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2147483647)
+    n_tiles = tl.cdiv(M, BN)
+    m_tiles = tl.max(tl.where(experts < E, tile_ends, 0), axis=0)
+    total = m_tiles * n_tiles
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, M, K], strides=[s_be, s_bm, 1],
+                                           block_shape=[1, BN, BK])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, K, M], strides=[s_be, s_bk, 1],
+                                           block_shape=[1, BK, BN])
+    for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
+        if GROUP_M == 1:
+            pid_m = tile // n_tiles
+            pid_n = tile % n_tiles
+        else:  # GROUP_M row tiles share each column tile of B while it is in L2 (few large experts)
+            width = GROUP_M * n_tiles
+            first_m = (tile // width) * GROUP_M
+            size = tl.minimum(m_tiles - first_m, GROUP_M)
+            pid_m = first_m + (tile % width) % size
+            pid_n = (tile % width) // size
+        n0 = pid_n * BN
+        e = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
+        first_tile = tl.max(tl.where(tile_ends <= pid_m, tile_ends, 0), axis=0)
+        row0 = tl.load(offsets_ptr + e) + (pid_m - first_tile) * BM
+        row_end = tl.load(offsets_ptr + e + 1)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = a_desc.load([row0, k0])
+            if B_KMAJOR:
+                b = b_desc.load([e, n0, k0]).reshape(BN, BK).T
+            else:
+                b = b_desc.load([e, k0, n0]).reshape(BK, BN)
+            if SCALED:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
+            else:
+                acc = tl.dot(a, b, acc)
+        rows = row0 + tl.arange(0, BM)
+        cols = n0 + tl.arange(0, BN)
+        row_ok = rows < row_end
+        col_ok = cols < M
+        if SCALED:
+            s_a = tl.load(as_ptr + rows, mask=row_ok, other=0.0)
+            s_b = tl.load(bs_ptr + e * M + cols, mask=col_ok, other=0.0)
+            acc = acc * s_a[:, None] * s_b[None, :]
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * s_cn + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+_SMS: dict[int, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def b_kmajor(b_EKM: torch.Tensor) -> bool:
+    return b_EKM.stride(1) == 1
+
+
+def usable(a_NK: torch.Tensor, b_EKM: torch.Tensor) -> bool:
+    """Operands the kernel's descriptors can read: unit stride along a row of a and along K or M of b, every other
+    stride and the data 16-byte aligned; e4m3 b K-major. Pure (no device query)."""
+    def aligned(t: torch.Tensor, unit_dim: int) -> bool:
+        step = 16 // t.element_size()
+        return (t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0
+                and all(st % step == 0 for d, st in enumerate(t.stride()) if d != unit_dim))
+    if a_NK.stride(1) != 1 or not aligned(a_NK, 1):
+        return False
+    if b_kmajor(b_EKM):
+        return aligned(b_EKM, 1)
+    return a_NK.element_size() >= 2 and aligned(b_EKM, 2)
+
+
+def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: torch.Tensor,
+                          offsets_E1: torch.Tensor, as_N: torch.Tensor | None = None,
+                          bs_EM: torch.Tensor | None = None, tiles: Tiles | None = None,
+                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The module docstring's c_NM. as_N / bs_EM: the row and column scales of e4m3 operands (both or neither)."""
+    N, K = a_NK.shape
+    E, _, M = b_EKM.shape
+    scaled = as_N is not None
+    if scaled != (bs_EM is not None):
+        raise ValueError("as_N and bs_EM go together: both for e4m3 operands, neither for 16-bit ones")
+    if not usable(a_NK, b_EKM):
+        raise ValueError(f"operands a {tuple(a_NK.stride())} / b {tuple(b_EKM.stride())} ({a_NK.dtype}) cannot be "
+                         "read through TMA descriptors: a needs unit-stride rows, b unit stride along K (e4m3) or "
+                         "K or M (16-bit), every other stride 16-byte aligned")
+    dtype = out_dtype or (torch.bfloat16 if scaled else a_NK.dtype)
+    c_NM = torch.empty(N, M, dtype=dtype, device=a_NK.device)
+    if N == 0 or E == 0:
+        return c_NM
+    t = tiles or default_tiles(scaled)
+    kmajor = b_kmajor(b_EKM)
+    tile_ends_E = torch.cumsum((counts_E + (t.BM - 1)) // t.BM, 0, dtype=torch.int32)
+    upper = (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN)
+    programs = min(_programs(a_NK.device), upper)
+    tma_allocator()
+    dummy = c_NM  # scale pointers unused when SCALED is False
+    launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N if scaled else dummy,
+           bs_EM.contiguous() if scaled else dummy, offsets_E1, tile_ends_E, N, E, M, K, a_NK.stride(0),
+           b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0), programs,
+           BM=t.BM, BN=t.BN, BK=t.BK, E_PAD=next_pow2(E), B_KMAJOR=kmajor, SCALED=scaled,
+           PROMOTE=min(PROMOTE_K, t.BK) if scaled else 0, GROUP_M=t.group_m,
+           FLATTEN=t.flatten, num_warps=t.num_warps, num_stages=t.num_stages)
+    return c_NM

@@ -1,0 +1,97 @@
+"""The compiled persistent TMA grouped GEMM on an sm90 GPU: random uneven routing with empty experts and rows past
+the last expert's filled with NaN, each tile the layer may choose, bf16 with b in both layouts and e4m3 with scales,
+against fp32 products; then the expert layer with gemm_impl="tma" against gemm_impl="torch" (CUTLASS), bf16 and
+FP8, output and every gradient. Run by test_grouped_gemm_tma.py in a process without TRITON_INTERPRET; prints one
+line starting "ok" or "FAIL", exits non-zero on a failure."""
+
+from __future__ import annotations
+
+import torch
+import triton  # noqa: F401  (first: compiled mode)
+
+from moe_launch.kernels import fp8
+from moe_launch.kernels import grouped_gemm_tma as tma
+from moe_launch.kernels.moe import fast_experts
+
+TILES = [tma.default_tiles(False), tma.default_tiles(True), tma.Tiles(128, 256, 64, 8, 3, group_m=8),
+         tma.Tiles(256, 128, 128, 8, 3, group_m=8), tma.Tiles(128, 256, 64, 8, 3, flatten=True)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def gemm_errors(gen: torch.Generator) -> dict[str, float]:
+    E, K, M = 12, 1024, 768
+    counts = torch.randint(0, 700, (E,), generator=gen)
+    counts[[1, 7]] = 0
+    counts_E = counts.to(torch.int32).cuda()
+    offsets_E1 = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+    offsets_E1[1:] = torch.cumsum(counts_E, 0)
+    R = int(offsets_E1[-1])
+    a = torch.randn(R + 300, K, generator=gen).cuda().bfloat16()
+    a[R:] = float("nan")
+    w = (0.05 * torch.randn(E, M, K, generator=gen)).cuda().bfloat16()
+    aq, as_ = fp8.quantize_rows(a)
+    bq, bs = fp8.quantize_operand(w.transpose(1, 2))
+
+    def fp32_product(a32, b32_EKM):
+        c = torch.zeros(R, M, device="cuda")
+        for e in range(E):
+            lo, hi = int(offsets_E1[e]), int(offsets_E1[e + 1])
+            c[lo:hi] = a32[lo:hi] @ b32_EKM[e]
+        return c
+
+    errs = {}
+    ref_k = fp32_product(a.float(), w.float().transpose(1, 2))
+    w_mmajor = w.reshape(E, K, M)  # another weight, stored with M contiguous
+    ref_m = fp32_product(a.float(), w_mmajor.float())
+    ref_q = fp32_product(fp8.dequantize_rows(aq, as_), bq.float() * bs[:, None, :])
+    for t in TILES:
+        name = f"{t.BM}x{t.BN}x{t.BK} g{t.group_m}" + (" flat" if t.flatten else "")
+        c = tma.grouped_mm_persistent(a, w.transpose(1, 2), counts_E, offsets_E1, tiles=t)
+        errs[f"bf16 K-major {name}"] = rel(c[:R], ref_k)
+        c = tma.grouped_mm_persistent(a, w_mmajor, counts_E, offsets_E1, tiles=t)
+        errs[f"bf16 M-major {name}"] = rel(c[:R], ref_m)
+        if t.BK >= 32:
+            c = tma.grouped_mm_persistent(aq, bq, counts_E, offsets_E1, as_, bs, tiles=t)
+            errs[f"e4m3 {name}"] = rel(c[:R], ref_q)
+    return errs
+
+
+def layer_errors(gen: torch.Generator) -> dict[str, float]:
+    T, D, F, E, K = 4096, 2048, 1024, 64, 8
+    x = torch.randn(T, D, generator=gen).cuda().bfloat16().requires_grad_()
+    idx = torch.randn(T, E, generator=gen).cuda().topk(K, -1).indices
+    w = torch.rand(T, K, generator=gen).cuda().requires_grad_()
+    ws = [(0.02 * torch.randn(E, a, b, generator=gen)).cuda().bfloat16().requires_grad_()
+          for a, b in ((F, D), (F, D), (D, F))]
+    dy = torch.randn(T, D, generator=gen).cuda().bfloat16()
+    errs = {}
+    for precision in ("bf16", "fp8"):
+        outs = []
+        for impl in ("tma", "torch"):
+            for t in (x, w, *ws):
+                t.grad = None
+            y = fast_experts(x, idx, w, *ws, precision=precision, gemm_impl=impl)
+            y.backward(dy)
+            outs.append([y.detach()] + [t.grad for t in (x, w, *ws)])
+        for name, a, b in zip(("y", "dx", "dw_TK", "dw_gate", "dw_up", "dw_down"), *outs):
+            errs[f"layer {precision} {name}"] = rel(a, b)
+    return errs
+
+
+def main() -> None:
+    gen = torch.Generator().manual_seed(0)
+    errs = {**gemm_errors(gen), **layer_errors(gen)}
+    # bf16 products against fp32: bf16 output rounding; e4m3 against its fp32 emulation: the same plus the order of
+    # the fp32 sums; the two layers differ by their GEMMs' rounding only (the e4m3 codes are the same)
+    bad = {k: v for k, v in errs.items() if not v < (2e-2 if "fp8" in k else 1e-2)}
+    print("ok" if not bad else "FAIL", "worst", f"{max(errs.values()):.1e}", "|",
+          " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
+    if bad:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The persistent TMA grouped GEMM (kernels/grouped_gemm_tma.py) against its references, under Triton's interpreter:
+random uneven routing with empty experts, both layouts of b, every tile walk, e4m3 with row and column scales; its
+place in the layer (gemm_impl="tma") and the shape choice. On an sm90 GPU, gpu_grouped_gemm_tma.py runs the
+compiled kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import random_idx, rel_err, run_compiled
+
+from moe_launch.kernels import fp8
+from moe_launch.kernels import grouped_gemm_tma as tma
+from moe_launch.kernels.grouped_gemm import grouped_mm_reference, pick_rows
+from moe_launch.kernels.moe import fast_experts
+from moe_launch.trainer.moe.reference import experts_reference
+
+
+def _plan(counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    counts_E = torch.tensor(counts, dtype=torch.int32)
+    offsets_E1 = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    offsets_E1[1:] = torch.cumsum(counts_E, 0)
+    return counts_E, offsets_E1
+
+
+TILES = [tma.Tiles(16, 16, 16, 4, 2), tma.Tiles(32, 16, 16, 4, 2, group_m=3), tma.Tiles(16, 32, 32, 4, 2, group_m=2)]
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.BM}x{t.BN}x{t.BK}g{t.group_m}")
+@pytest.mark.parametrize("kmajor", [True, False], ids=["b K-major", "b M-major"])
+def test_rows_match_the_reference(tiles, kmajor):
+    gen = torch.Generator().manual_seed(hash((tiles, kmajor)) % 2**31)
+    E, K, M = 6, 48, 40
+    counts = torch.randint(0, 45, (E,), generator=gen)
+    counts[torch.randint(0, E, (2,), generator=gen)] = 0  # experts with no rows
+    counts_E, offsets_E1 = _plan(counts.tolist())
+    R = int(offsets_E1[-1])
+    a_NK = torch.randn(R + 13, K, generator=gen)  # rows past R: never read into a valid row
+    a_NK[R:] = float("nan")
+    w = torch.randn(E, M, K, generator=gen) if kmajor else torch.randn(E, K, M, generator=gen)
+    b_EKM = w.transpose(1, 2) if kmajor else w
+    assert tma.b_kmajor(b_EKM) == kmajor
+    c = tma.grouped_mm_persistent(a_NK, b_EKM, counts_E, offsets_E1, tiles=tiles)
+    ref = grouped_mm_reference(a_NK[:R], b_EKM, counts_E, offsets_E1)
+    assert rel_err(c[:R], ref) < 1e-5
+
+
+def test_e4m3_rows_with_scales_match_the_emulation():
+    gen = torch.Generator().manual_seed(3)
+    E, K, M = 5, 64, 48
+    counts_E, offsets_E1 = _plan([7, 0, 33, 1, 20])
+    R = int(offsets_E1[-1])
+    a = torch.randn(R, K, generator=gen) * torch.rand(R, 1, generator=gen) * 10  # rows of different magnitudes
+    w = torch.randn(E, M, K, generator=gen) * 0.02
+    aq, as_ = fp8.quantize_rows(a, impl="reference")
+    bq, bs = fp8.quantize_operand(w.transpose(1, 2), impl="reference")
+    c = tma.grouped_mm_persistent(aq, bq, counts_E, offsets_E1, as_, bs, tiles=tma.Tiles(16, 16, 32, 4, 2))
+    assert c.dtype == torch.bfloat16
+    ref = fp8.scaled_grouped_mm_reference(aq, as_, bq, bs, offsets_E1)
+    assert rel_err(c.float(), ref.float()) < 1e-2  # both round to bf16 once; the interpreter's e4m3 dot adds a little
+
+
+def test_operands_the_descriptors_cannot_read_are_refused():
+    counts_E, offsets_E1 = _plan([4, 4])
+    a = torch.randn(8, 48)
+    assert tma.usable(a[:, :47], torch.randn(2, 47, 16))  # a row may end anywhere: its stride is what must align
+    assert not tma.usable(torch.randn(8, 47), torch.randn(2, 47, 16))  # rows 188 bytes apart
+    aq, _ = fp8.quantize_rows(a, impl="reference")
+    bq_mmajor = torch.randn(2, 48, 16).to(fp8.E4M3)  # e4m3 b with M contiguous: Hopper's 8-bit MMA cannot read it
+    assert not tma.usable(aq, bq_mmajor)
+    with pytest.raises(ValueError, match="TMA descriptors"):
+        tma.grouped_mm_persistent(aq, bq_mmajor, counts_E, offsets_E1, torch.ones(8), torch.ones(2, 16))
+    with pytest.raises(ValueError, match="both for e4m3"):
+        tma.grouped_mm_persistent(a, torch.randn(2, 16, 48).transpose(1, 2), counts_E, offsets_E1, torch.ones(8))
+
+
+def test_the_layer_on_the_tma_path_matches_the_reference_layer():
+    gen = torch.Generator().manual_seed(5)
+    T, D, F, E, K = 24, 32, 16, 8, 2
+    x = torch.randn(T, D, generator=gen, requires_grad=True)
+    idx = random_idx(T, K, E, gen, skip=range(2, 3))
+    w = torch.rand(T, K, generator=gen, requires_grad=True)
+    ws = [(0.1 * torch.randn(E, a, b, generator=gen)).requires_grad_() for a, b in ((F, D), (F, D), (D, F))]
+    dy = torch.randn(T, D, generator=gen)
+    outs = []
+    for fn, kw in ((fast_experts, {"gemm_impl": "tma"}), (experts_reference, {})):
+        for t in (x, w, *ws):
+            t.grad = None
+        y = fn(x, idx, w, *ws, **kw)
+        y.backward(dy)
+        outs.append([y.detach()] + [t.grad for t in (x, w, *ws)])
+    for got, ref in zip(*outs):
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_tma_is_taken_where_asked_and_readable():
+    a, b = torch.randn(64, 32), torch.randn(4, 16, 32).transpose(1, 2)
+    impl, tiles = pick_rows("tma", a, b)
+    assert impl == "tma" and tiles is not None
+    assert pick_rows("tma", torch.randn(64, 31), torch.randn(4, 31, 16))[0] == "triton"  # unreadable: auto's path
+    assert pick_rows("auto", a, b) == ("triton", None)  # the CPU: no CUTLASS path to compare with
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="needs an sm90 GPU")
+def test_compiled_kernel_on_the_gpu():
+    out = run_compiled("gpu_grouped_gemm_tma.py")
+    assert out.startswith("ok"), out
