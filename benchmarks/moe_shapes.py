@@ -95,14 +95,15 @@ def shapes(smoke: bool, which: str = "common") -> list[Shape]:
         Shape("fine: 128 experts, top-8 (Qwen3-30B-A3B-like)", Dims(T=16384, D=2048, F=768, E=128, K=8)),
         Shape("very fine: 256 small experts, top-8", Dims(T=16384, D=2048, F=512, E=256, K=8)),
         Shape("skewed: 4 hot experts (OLMoE dims)", olmoe, hot=4, hot_bias=3.0),
+        Shape("one micro-batch: T 8192 (OLMoE dims)", Dims(T=8192, D=2048, F=1024, E=64, K=8)),
         Shape("few tokens: T 4096 (OLMoE dims)", Dims(T=4096, D=2048, F=1024, E=64, K=8)),
         Shape("few tokens: T 1024 (OLMoE dims)", Dims(T=1024, D=2048, F=1024, E=64, K=8)),
     ]
     if not smoke:
         return full
     tiny = [Dims(T=64, D=32, F=16, E=8, K=2), Dims(T=32, D=32, F=64, E=4, K=2), Dims(T=64, D=32, F=8, E=16, K=4),
-            Dims(T=64, D=32, F=8, E=32, K=4), Dims(T=64, D=32, F=16, E=8, K=2), Dims(T=32, D=32, F=16, E=8, K=2),
-            Dims(T=16, D=32, F=16, E=8, K=2)]
+            Dims(T=64, D=32, F=8, E=32, K=4), Dims(T=64, D=32, F=16, E=8, K=2), Dims(T=48, D=32, F=16, E=8, K=2),
+            Dims(T=32, D=32, F=16, E=8, K=2), Dims(T=16, D=32, F=16, E=8, K=2)]
     return [Shape(s.name, d, s.hot, s.hot_bias) for s, d in zip(full, tiny)]
 
 

@@ -113,6 +113,9 @@ def main() -> None:
         def xent_torch(m):  # model.cross_entropy_fusion=false
             return dataclasses.replace(m, cross_entropy_fusion=False)
 
+        def cutlass(m):  # model.moe.grouped_gemm=torch: every row GEMM on torch's CUTLASS kernels
+            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, grouped_gemm="torch"))
+
         def graphed(m):  # model.moe.cuda_graph=true
             return dataclasses.replace(m, moe=dataclasses.replace(m.moe, cuda_graph=True))
 
@@ -133,6 +136,9 @@ def main() -> None:
                  # four micro-batches per step: the optimizer update and FP8's weight quantization amortized
                  ("olmoe-16L-4mb", base, 2, 4, 4096, True, ()),
                  ("olmoe-16L-fp8-4mb", fp8, 2, 4, 4096, True, ()),
+                 # the same with every row GEMM on CUTLASS: at 8k tokens per call, auto takes our TMA kernel
+                 ("olmoe-16L-4mb-cutlass", cutlass(base), 2, 4, 4096, True, ()),
+                 ("olmoe-16L-fp8-4mb-cutlass", cutlass(fp8), 2, 4, 4096, True, ()),
                  # toward the many micro-batches per GPU-step of a real global batch: what is left per micro-batch
                  ("olmoe-16L-8mb", base, 2, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-8mb", fp8, 2, 8, 4096, True, ()),

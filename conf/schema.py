@@ -61,6 +61,10 @@ class MoEConfig:
     # takes the host longer than the GPU takes to run them. Each layer then holds its graphs' memory pool (saved
     # activations and temporaries) between steps, so leave it off at tens of thousands of tokens per call
     cuda_graph: bool = False
+    # the kernels' grouped GEMMs over rows (forward and activation gradients, bf16 and FP8): auto (per GEMM shape, our
+    # persistent TMA kernel where it ran faster, up to ~1k rows per expert, else torch's CUTLASS one;
+    # kernels/grouped_gemm_tma.py choose) | torch (always CUTLASS) | tma (always ours). sm90; elsewhere our Triton one
+    grouped_gemm: str = "auto"
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)
     uniform_routing: bool = False  # forced uniform routing, for benchmarks only
 
@@ -85,6 +89,7 @@ class MoEConfig:
                 "model.moe.cuda_graph", f"graphs the bf16 FastSparseMoE kernels, but model.moe.impl={self.impl} and "
                 f"model.moe.precision={self.precision}", "set model.moe.cuda_graph=false, or impl=auto/fast with "
                 "precision=bf16")
+        one_of(self.grouped_gemm, ("auto", "torch", "tma"), "model.moe.grouped_gemm")
         one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
         one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")
         require(self.bias_update_rate > 0, "model.moe.bias_update_rate", f"got {self.bias_update_rate}",

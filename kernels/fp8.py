@@ -305,7 +305,7 @@ def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch", com
                            "(use precision='bf16', or gemm_impl='reference' for the slow fp32 emulation)")
     if impl == "tma":
         E, K, M = bq_EKM.shape
-        tiles = tma.choose(N, K, M, E, scaled=True) or tma.default_tiles(scaled=True)
+        tiles = tma.choose(N, K, M, E, scaled=True)  # None (a shape auto leaves to CUTLASS): the default tile
         return tma.grouped_mm_persistent(aq_NK[:N], bq_EKM, plan.counts_E, plan.offsets_E1, as_N[:N], bs_EM,
                                          tiles=tiles)
     return scaled_grouped_mm_torch(aq_NK, as_N, bq_EKM, bs_EM, plan.ends_E, compact, n_rows=N)

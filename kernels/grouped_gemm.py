@@ -246,14 +246,14 @@ def pick(impl: str, *tensors: torch.Tensor) -> str:
 
 
 def pick_rows(impl: str, a_NK: torch.Tensor, b_EKM: torch.Tensor) -> tuple[str, tma.Tiles | None]:
-    """The path (and, for "tma", the tile) of a row GEMM: "auto" takes our persistent TMA kernel where the CUTLASS
+    """The path (and, for "tma", the tile or None for the kernel's default) of a row GEMM: "auto" takes our persistent TMA kernel where the CUTLASS
     path could run and our kernel ran faster at the shape (grouped_gemm_tma.choose); "tma" wherever its descriptors
     can read the operands (sm90+, or the CPU under the interpreter), else what "auto" would take."""
     N, K = a_NK.shape
     E, M = b_EKM.shape[0], b_EKM.shape[2]
     if impl == "tma" and tma.usable(a_NK, b_EKM) and (
             not a_NK.is_cuda or torch.cuda.get_device_capability(a_NK.device)[0] >= 9):
-        return "tma", tma.choose(N, K, M, E, scaled=False) or tma.default_tiles(scaled=False)
+        return "tma", tma.choose(N, K, M, E, scaled=False)  # None: the kernel's default for the device
     if impl == "auto" and torch_path_ok(a_NK, b_EKM) and tma.usable(a_NK, b_EKM):
         tiles = tma.choose(N, K, M, E, scaled=False)
         if tiles is not None:

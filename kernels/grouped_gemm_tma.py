@@ -19,6 +19,7 @@ which is how kernels/fp8_weights.py lays out every weight operand.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,31 @@ class Tiles:
     flatten: bool = False  # one software pipeline over all of a program's tiles (the epilogue overlaps loads)
 
 
+INTERPRETER_TILES = Tiles(32, 32, 32, 4, 2, group_m=2)  # the CPU: every tile op is interpreted
+
+
 def default_tiles(scaled: bool) -> Tiles:
-    """The tile that ran fastest at the OLMoE shapes (benchmarks/grouped_gemm_tiles.py)."""
-    return Tiles(256, 128, 128, 8, 3) if scaled else Tiles(128, 256, 64, 8, 3)
+    """The tile that ran fastest over the shapes of benchmarks/grouped_gemm_tiles.py (one per operand width)."""
+    return Tiles(256, 128, 128, 8, 3, group_m=8) if scaled else Tiles(128, 256, 64, 8, 3, group_m=8, flatten=True)
+
+
+# Where our kernel beat torch's CUTLASS grouped GEMMs (benchmarks/grouped_gemm_tiles.py, RESULTS.md): at most this
+# many rows per expert on average (fine-grained experts, or a micro-batch of 8k tokens at OLMoE's 64 experts), where
+# CUTLASS's grouped tiles fall short; from 2048 rows per expert on both run at the same rate, and with few large
+# experts CUTLASS's is ahead. Below MIN_ROWS_PER_EXPERT most of a row tile would be past its expert's rows.
+MAX_ROWS_PER_EXPERT = 1024
+MIN_ROWS_PER_EXPERT = 256
 
 
 def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
-    """The tile for an a [N, K] @ b [E, K, M] grouped GEMM, or None where torch's CUTLASS kernel ran faster at such
-    shapes (benchmarks/grouped_gemm_tiles.py). Pure."""
-    return default_tiles(scaled)
+    """The tile for an a [N, K] @ b [E, K, M] grouped GEMM (N rows over E experts), or None where torch's CUTLASS
+    kernel ran as fast or faster at such shapes. Pure."""
+    rows_per_expert = N // max(E, 1)
+    if not MIN_ROWS_PER_EXPERT <= rows_per_expert <= MAX_ROWS_PER_EXPERT:
+        return None
+    tiles = default_tiles(scaled)
+    # one software pipeline over a program's tiles helps where K is short (the epilogue is a larger share)
+    return dataclasses.replace(tiles, flatten=True) if scaled and K <= 1024 else tiles
 
 
 @triton.jit
@@ -158,7 +175,7 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
     c_NM = torch.empty(N, M, dtype=dtype, device=a_NK.device)
     if N == 0 or E == 0:
         return c_NM
-    t = tiles or default_tiles(scaled)
+    t = tiles or (default_tiles(scaled) if a_NK.is_cuda else INTERPRETER_TILES)
     kmajor = b_kmajor(b_EKM)
     tile_ends_E = torch.cumsum((counts_E + (t.BM - 1)) // t.BM, 0, dtype=torch.int32)
     upper = (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN)

@@ -95,10 +95,23 @@ def test_the_layer_on_the_tma_path_matches_the_reference_layer():
 
 def test_tma_is_taken_where_asked_and_readable():
     a, b = torch.randn(64, 32), torch.randn(4, 16, 32).transpose(1, 2)
-    impl, tiles = pick_rows("tma", a, b)
-    assert impl == "tma" and tiles is not None
+    assert pick_rows("tma", a, b) == ("tma", None)  # a shape auto leaves to CUTLASS: the kernel's default tile
     assert pick_rows("tma", torch.randn(64, 31), torch.randn(4, 31, 16))[0] == "triton"  # unreadable: auto's path
     assert pick_rows("auto", a, b) == ("triton", None)  # the CPU: no CUTLASS path to compare with
+
+
+def test_the_shape_choice():
+    """Our kernel where it beat CUTLASS (up to 1024 rows per expert), CUTLASS elsewhere; FP8 with a short K runs one
+    pipeline over a program's tiles."""
+    olmoe_8k, olmoe_16k = 8192 * 8, 16384 * 8
+    assert tma.choose(olmoe_8k, 2048, 2048, 64, scaled=True) == tma.default_tiles(scaled=True)
+    assert tma.choose(olmoe_8k, 1024, 2048, 64, scaled=True).flatten
+    assert tma.choose(olmoe_8k, 2048, 1024, 64, scaled=False) == tma.default_tiles(scaled=False)
+    assert tma.choose(olmoe_16k, 2048, 1024, 128, scaled=False) is not None  # 128 fine-grained experts
+    for N, E in ((olmoe_16k, 64), (16384, 8), (1024 * 8, 64)):  # 2048 rows per expert, coarse, 128 rows
+        assert tma.choose(N, 2048, 2048, E, scaled=True) is None
+    assert tma.choose(1024 * 8, 2048, 1024, 64, scaled=False) is None  # 128 rows per expert: CUTLASS's small tiles
+    assert tma.choose(64, 32, 16, 8, scaled=False) is None
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
@@ -106,3 +119,18 @@ def test_tma_is_taken_where_asked_and_readable():
 def test_compiled_kernel_on_the_gpu():
     out = run_compiled("gpu_grouped_gemm_tma.py")
     assert out.startswith("ok"), out
+
+
+def test_the_config_picks_the_kernels_grouped_gemm():
+    from moe_launch.conf.schema import MoEConfig
+    from moe_launch.errors import ConfigError
+    from moe_launch.trainer.moe import layer as layer_mod
+
+    assert layer_mod.resolve_experts_fn("fast", "bf16", grouped_gemm="tma").keywords == {"gemm_impl": "tma"}
+    assert layer_mod.resolve_experts_fn("fast", "bf16") is fast_experts  # auto: the kernels' own default
+    on_cpu = layer_mod.resolve_experts_fn("auto", "bf16", grouped_gemm="torch")
+    x, idx = torch.randn(6, 8), torch.tensor([[0, 1]] * 6)
+    ws = [torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 8, 4)]
+    assert on_cpu(x, idx, torch.ones(6, 2), *ws).shape == (6, 8)  # the reference there, which has no GEMM choice
+    with pytest.raises(ConfigError, match="model.moe.grouped_gemm"):
+        MoEConfig(grouped_gemm="cutlass")

@@ -19,7 +19,7 @@ def test_moe_shapes_smoke(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     shapes = json.loads((tmp_path / "moe_shapes.json").read_text())["shapes"]
-    assert len(shapes) == 7
+    assert len(shapes) == 8
     for name, res in shapes.items():
         ours = {"ours bf16", "ours bf16, grads into .grad", "ours bf16, grads into .grad, CUDA graph"}
         assert set(res["rows"]) == ours | {"naive bf16", "naive bf16, grads added to .grad"}, name

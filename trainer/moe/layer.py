@@ -47,12 +47,15 @@ class RouterStats:
 
 
 def resolve_experts_fn(impl: str, precision: str = "bf16", fuse_grads: bool = False,
-                       graphs: "ExpertGraphs | None" = None) -> ExpertsFn:
+                       graphs: "ExpertGraphs | None" = None, grouped_gemm: str = "auto") -> ExpertsFn:
     """fuse_grads: model.moe.grad_accumulation_fusion, for the kernels (the reference lets autograd accumulate).
-    graphs: the layer's CUDA graphs of the kernels' expert stage (model.moe.cuda_graph)."""
+    graphs: the layer's CUDA graphs of the kernels' expert stage (model.moe.cuda_graph). grouped_gemm:
+    model.moe.grouped_gemm, the kernels' gemm_impl."""
     if impl == "reference":
         return experts_reference
-    kwargs = {k: v for k, v in (("fuse_grad_accumulation", fuse_grads), ("graphs", graphs)) if v not in (False, None)}
+    kwargs = {k: v for k, v in (("fuse_grad_accumulation", fuse_grads), ("graphs", graphs),
+                                ("gemm_impl", None if grouped_gemm == "auto" else grouped_gemm))
+              if v not in (False, None)}
     if impl == "auto" and precision == "bf16":
         return functools.partial(auto_experts, **kwargs) if kwargs else auto_experts
     try:  # imported lazily: the Triton kernels are optional and need a GPU (or TRITON_INTERPRET=1)
@@ -116,12 +119,13 @@ def warn_slow_expert_sizes(cfg: ModelConfig, device: torch.device, dtype: torch.
 
 
 def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False,
-                 graphs: "ExpertGraphs | None" = None, **kwargs) -> torch.Tensor:
+                 graphs: "ExpertGraphs | None" = None, gemm_impl: str = "auto", **kwargs) -> torch.Tensor:
     """model.moe.impl=auto: the FastSparseMoE kernels on CUDA tensors, the torch reference on anything else (the
     kernels run on CPU only through Triton's slow interpreter)."""
     if x_TD.is_cuda:
         from moe_launch.kernels.moe import fast_experts
-        return fast_experts(x_TD, *args, fuse_grad_accumulation=fuse_grad_accumulation, graphs=graphs, **kwargs)
+        return fast_experts(x_TD, *args, fuse_grad_accumulation=fuse_grad_accumulation, graphs=graphs,
+                            gemm_impl=gemm_impl, **kwargs)
     return experts_reference(x_TD, *args, **kwargs)
 
 
@@ -158,7 +162,7 @@ class MoELayer(nn.Module):
         # the CUDA graphs read this layer's weights by address: one set per layer
         self.expert_graphs = expert_graphs(cfg)
         self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision, cfg.grad_accumulation_fusion,
-                                                        self.expert_graphs)
+                                                        self.expert_graphs, cfg.grouped_gemm)
         self.dispatcher = local_dispatch
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
