@@ -72,15 +72,18 @@ def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
 @triton.jit
 def _gmm_persistent_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,  # a [N, K]; b [E, K, M] as strided; c [N, M]; as [N], bs [E, M] fp32
-    offsets_ptr, tile_ends_ptr,  # int32 [E+1] row offsets; int32 [E] cumulative BM-row tiles per expert
+    offsets_ptr, counts_ptr,  # int32 [E+1] row offsets; int32 [E] rows per expert
     N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
     SCALED: tl.constexpr, PROMOTE: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
-    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < E, other=2147483647)
+    tiles_E = tl.cdiv(tl.load(counts_ptr + experts, mask=experts < E, other=0), BM)
+    # each expert's row tiles end here (the padding experts: never reached); counted in every program rather than
+    # by torch ops before the launch, whose host time a small layer call would pay
+    tile_ends = tl.where(experts < E, tl.cumsum(tiles_E, axis=0), 2147483647)
     n_tiles = tl.cdiv(M, BN)
-    m_tiles = tl.max(tl.where(experts < E, tile_ends, 0), axis=0)
+    m_tiles = tl.sum(tiles_E, axis=0)
     total = m_tiles * n_tiles
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
     if B_KMAJOR:
@@ -177,13 +180,12 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
         return c_NM
     t = tiles or (default_tiles(scaled) if a_NK.is_cuda else INTERPRETER_TILES)
     kmajor = b_kmajor(b_EKM)
-    tile_ends_E = torch.cumsum((counts_E + (t.BM - 1)) // t.BM, 0, dtype=torch.int32)
     upper = (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN)
     programs = min(_programs(a_NK.device), upper)
     tma_allocator()
     dummy = c_NM  # scale pointers unused when SCALED is False
     launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N if scaled else dummy,
-           bs_EM.contiguous() if scaled else dummy, offsets_E1, tile_ends_E, N, E, M, K, a_NK.stride(0),
+           bs_EM.contiguous() if scaled else dummy, offsets_E1, counts_E, N, E, M, K, a_NK.stride(0),
            b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0), programs,
            BM=t.BM, BN=t.BN, BK=t.BK, E_PAD=next_pow2(E), B_KMAJOR=kmajor, SCALED=scaled,
            PROMOTE=min(PROMOTE_K, t.BK) if scaled else 0, GROUP_M=t.group_m,
