@@ -82,7 +82,8 @@ def measure(N: int, K: int, M: int, E: int, kmajor: bool, rep_ms: int, log) -> d
                     log(f"    {kind} {name}: WRONG, rel err {err:.2e}")
                     continue
                 row[f"ours {kind}"][name] = triton.testing.do_bench(
-                    lambda: grouped_mm_persistent(*args, tiles=t), warmup=25, rep=rep_ms, return_mode="median")
+                    lambda args=args, t=t: grouped_mm_persistent(*args, tiles=t), warmup=25, rep=rep_ms,
+                    return_mode="median")
             except Exception as e:  # a tile that does not compile (shared memory, an unsupported option)
                 log(f"    {kind} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     return row
@@ -113,7 +114,7 @@ def main() -> None:
         rows.append(row)
         flops = 2 * N * K * M
 
-        def fmt(ms: float | None) -> str:
+        def fmt(ms: float | None, flops: int = flops) -> str:
             return "–" if ms is None else f"{ms:.3f} ({flops / ms / 1e9:.0f})"
 
         best = {k: min(row[f"ours {k}"].items(), key=lambda kv: kv[1]) if row[f"ours {k}"] else ("none", None)

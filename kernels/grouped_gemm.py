@@ -9,6 +9,8 @@ ignored on input and left unwritten on output), E local experts, K contraction d
 
 b_EKM may be any strided view (callers pass w_EFD.transpose(1, 2) for x @ w^T). Paths, chosen per call:
   "torch"     torch.nn.functional.grouped_mm / torch._grouped_mm: CUDA sm90+, bf16 (CUTLASS grouped GEMM)
+  "tma"       the row GEMMs on our persistent TMA kernel (kernels/grouped_gemm_tma.py); "auto" takes it per shape
+              where it ran faster than CUTLASS (grouped_gemm_tma.choose). Weight gradients: as "auto"
   "triton"    our Triton kernels: any other GPU/dtype, and the CPU under the Triton interpreter
   "reference" a Python loop over experts (host sync; tests only)
 No host sync on the torch/triton paths: the Triton row kernel launches cdiv(N, BM) + E row tiles (an upper bound)
@@ -246,9 +248,10 @@ def pick(impl: str, *tensors: torch.Tensor) -> str:
 
 
 def pick_rows(impl: str, a_NK: torch.Tensor, b_EKM: torch.Tensor) -> tuple[str, tma.Tiles | None]:
-    """The path (and, for "tma", the tile or None for the kernel's default) of a row GEMM: "auto" takes our persistent TMA kernel where the CUTLASS
-    path could run and our kernel ran faster at the shape (grouped_gemm_tma.choose); "tma" wherever its descriptors
-    can read the operands (sm90+, or the CPU under the interpreter), else what "auto" would take."""
+    """The path of a row GEMM, and for "tma" its tile (None: the kernel's default). "auto" takes our persistent TMA
+    kernel where the CUTLASS path could run and our kernel ran faster at the shape (grouped_gemm_tma.choose); "tma"
+    wherever its descriptors can read the operands (sm90+, or the CPU under the interpreter), else what "auto"
+    would take."""
     N, K = a_NK.shape
     E, M = b_EKM.shape[0], b_EKM.shape[2]
     if impl == "tma" and tma.usable(a_NK, b_EKM) and (
