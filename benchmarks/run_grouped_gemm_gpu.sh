@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Our persistent TMA grouped GEMM against torch's CUTLASS ones, in one device call (1×H200; logs + JSON under $OUT):
-#   the compiled kernel's correctness check (tests/kernels/gpu_grouped_gemm_tma.py);
+#   the compiled kernel's correctness check (tests/kernels/gpu_grouped_gemm_tma.py; SKIP_CHECK=1 leaves it out);
 #   each GEMM alone per tile (benchmarks/grouped_gemm_tiles.py; SKIP_TILES=1 leaves it out);
 #   the expert layer with its row GEMMs on each path of GEMM_IMPLS (benchmarks/moe_shapes.py --gemm-impl; default
-#     "torch tma") at the shapes MOE_SHAPES_ONLY names (comma-separated name parts; default below);
+#     "torch tma") at the shapes MOE_SHAPES_ONLY names (comma-separated name parts; default below) of the shape
+#     set MOE_SET (common | models);
 #   TRAINER_CASES (comma-separated benchmarks/trainer_throughput.py cases; none by default), e.g. a case beside its
 #     "-cutlass" twin (model.moe.grouped_gemm=torch);
 #   PRODUCT=1: then `moe-launch` with no arguments (benchmarks/local_gpu_run.sh).
@@ -11,12 +12,14 @@ source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())' \
   | tee "$OUT/versions.txt"
 impls=${GEMM_IMPLS:-torch tma}
-run gpu_grouped_gemm_tma 200 python3 tests/kernels/gpu_grouped_gemm_tma.py
-head -c 600 "$OUT/gpu_grouped_gemm_tma.log"; echo
+if [ -z "${SKIP_CHECK:-}" ]; then
+  run gpu_grouped_gemm_tma 200 python3 tests/kernels/gpu_grouped_gemm_tma.py
+  head -c 600 "$OUT/gpu_grouped_gemm_tma.log"; echo
+fi
 [ -z "${SKIP_TILES:-}" ] && run grouped_gemm_tiles 300 python3 benchmarks/grouped_gemm_tiles.py --out "$OUT"
 for impl in $impls; do
   run "moe_shapes-$impl" "${MOE_SHAPES_S:-200}" python3 benchmarks/moe_shapes.py --out "$OUT" \
-    --only "${MOE_SHAPES_ONLY:-OLMoE-1B-7B,coarse,fine: 128}" --gemm-impl "$impl" --rep-ms "${REP_MS:-200}"
+    --only "${MOE_SHAPES_ONLY:-OLMoE-1B-7B,coarse,fine: 128}" --gemm-impl "$impl" --rep-ms "${REP_MS:-200}" --set "${MOE_SET:-common}"
 done
 if [ -n "${TRAINER_CASES:-}" ]; then
   run trainer_throughput "${TRAINER_S:-330}" python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
