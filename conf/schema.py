@@ -62,7 +62,7 @@ class MoEConfig:
     # activations and temporaries) between steps, so leave it off at tens of thousands of tokens per call
     cuda_graph: bool = False
     # the kernels' grouped GEMMs over rows (forward and activation gradients, bf16 and FP8): auto (per GEMM shape, our
-    # persistent TMA kernel where it ran faster, up to ~1k rows per expert, else torch's CUTLASS one;
+    # persistent TMA kernel where it ran faster, 512-1024 rows per expert, else torch's CUTLASS one;
     # kernels/grouped_gemm_tma.py choose) | torch (always CUTLASS) | tma (always ours). sm90; elsewhere our Triton one
     grouped_gemm: str = "auto"
     dispatcher: str = "allgather"  # EP token exchange: allgather (Optimus) | alltoall (Megatron)

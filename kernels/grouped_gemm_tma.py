@@ -50,19 +50,20 @@ def default_tiles(scaled: bool) -> Tiles:
     return Tiles(256, 128, 128, 8, 3, group_m=8) if scaled else Tiles(128, 256, 64, 8, 3, group_m=8, flatten=True)
 
 
-# Where our kernel beat torch's CUTLASS grouped GEMMs (benchmarks/grouped_gemm_tiles.py, RESULTS.md): at most this
-# many rows per expert on average (fine-grained experts, or a micro-batch of 8k tokens at OLMoE's 64 experts), where
-# CUTLASS's grouped tiles fall short; from 2048 rows per expert on both run at the same rate, and with few large
-# experts CUTLASS's is ahead. Below MIN_ROWS_PER_EXPERT most of a row tile would be past its expert's rows.
-MAX_ROWS_PER_EXPERT = 1024
-MIN_ROWS_PER_EXPERT = 256
+# Where our kernel beat torch's CUTLASS grouped GEMMs (benchmarks/grouped_gemm_tiles.py and the layer in
+# benchmarks/moe_shapes.py, RESULTS.md): 512 to 1024 rows per expert on average (fine-grained experts, or micro-batches
+# of 4k-8k tokens at OLMoE's 64 experts), with K and M up to 2048, where CUTLASS's grouped tiles fall short. From 2048
+# rows per expert on the two ran at the same rate, and with few large experts CUTLASS's was ahead. Shapes outside
+# what was measured stay on CUTLASS.
+MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 512, 1024
+MAX_DIM = 2048  # of K and M
 
 
 def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
     """The tile for an a [N, K] @ b [E, K, M] grouped GEMM (N rows over E experts), or None where torch's CUTLASS
-    kernel ran as fast or faster at such shapes. Pure."""
+    kernel ran as fast or faster at such shapes, or nobody measured. Pure."""
     rows_per_expert = N // max(E, 1)
-    if not MIN_ROWS_PER_EXPERT <= rows_per_expert <= MAX_ROWS_PER_EXPERT:
+    if not MIN_ROWS_PER_EXPERT <= rows_per_expert <= MAX_ROWS_PER_EXPERT or max(K, M) > MAX_DIM:
         return None
     tiles = default_tiles(scaled)
     # one software pipeline over a program's tiles helps where K is short (the epilogue is a larger share)

@@ -105,16 +105,17 @@ def test_tma_is_taken_where_asked_and_readable():
 
 
 def test_the_shape_choice():
-    """Our kernel where it beat CUTLASS (up to 1024 rows per expert), CUTLASS elsewhere; FP8 with a short K runs one
-    pipeline over a program's tiles."""
+    """Our kernel where it beat CUTLASS (512 to 1024 rows per expert, K and M up to 2048), CUTLASS elsewhere and
+    where nothing was measured; FP8 with a short K runs one pipeline over a program's tiles."""
     olmoe_8k, olmoe_16k = 8192 * 8, 16384 * 8
     assert tma.choose(olmoe_8k, 2048, 2048, 64, scaled=True) == tma.default_tiles(scaled=True)
     assert tma.choose(olmoe_8k, 1024, 2048, 64, scaled=True).flatten
     assert tma.choose(olmoe_8k, 2048, 1024, 64, scaled=False) == tma.default_tiles(scaled=False)
     assert tma.choose(olmoe_16k, 2048, 1024, 128, scaled=False) is not None  # 128 fine-grained experts
-    for N, E in ((olmoe_16k, 64), (16384, 8), (1024 * 8, 64)):  # 2048 rows per expert, coarse, 128 rows
-        assert tma.choose(N, 2048, 2048, E, scaled=True) is None
-    assert tma.choose(1024 * 8, 2048, 1024, 64, scaled=False) is None  # 128 rows per expert: CUTLASS's small tiles
+    assert tma.choose(4096 * 8, 2048, 1024, 64, scaled=True) is not None  # 512 rows per expert
+    for N, E in ((olmoe_16k, 64), (16384, 8), (2048 * 8, 64), (1024 * 8, 64)):  # 2048 rows per expert, coarse, 256,
+        assert tma.choose(N, 2048, 2048, E, scaled=True) is None  # 128 rows per expert
+    assert tma.choose(8192 * 8, 3584, 5120, 64, scaled=True) is None  # 1024 rows, but dims beyond those measured
     assert tma.choose(64, 32, 16, 8, scaled=False) is None
 
 
