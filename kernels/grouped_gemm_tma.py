@@ -5,9 +5,10 @@ Same contract as kernels/grouped_gemm.py's row form, with the FP8 scaling of ker
   c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)])    (e4m3 operands, fp32 scales)
 for rows r < R = offsets_E1[E]; rows >= R of c are left unwritten. Output bf16 (or a's dtype for 16-bit inputs).
 
-One program per multiprocessor walks the output tiles (expert row tile, column tile), column tiles fastest, so the
-programs running at once share the A rows they read and one expert's weights in L2. Each tile finds its expert from
-per-expert cumulative tile counts kept on the device (no host sync). The A descriptor spans all N rows: a row tile
+One program per multiprocessor walks the output tiles (expert row tile, column tile): GROUP_M row tiles side by side
+per column tile, so that the programs running at once share the A rows they read and B's column tiles in L2. Each
+program counts the experts' row tiles from the plan's counts and finds each tile's expert from them, on the device
+(no host sync, no torch ops before the launch). The A descriptor spans all N rows: a row tile
 that runs past its expert's last row computes rows of the next expert, which the masked store drops. B is read as a
 3-d [E, K, M] (or [E, M, K]) descriptor, so a tile never reads across an expert's end.
 
@@ -185,7 +186,7 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
     programs = min(_programs(a_NK.device), upper)
     tma_allocator()
     dummy = c_NM  # scale pointers unused when SCALED is False
-    launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N if scaled else dummy,
+    launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N.contiguous() if scaled else dummy,
            bs_EM.contiguous() if scaled else dummy, offsets_E1, counts_E, N, E, M, K, a_NK.stride(0),
            b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0), programs,
            BM=t.BM, BN=t.BN, BK=t.BK, E_PAD=next_pow2(E), B_KMAJOR=kmajor, SCALED=scaled,
