@@ -251,7 +251,9 @@ def pick_rows(impl: str, a_NK: torch.Tensor, b_EKM: torch.Tensor) -> tuple[str, 
     """The path of a row GEMM, and for "tma" its tile (None: the kernel's default). "auto" takes our persistent TMA
     kernel where the CUTLASS path could run and our kernel ran faster at the shape (grouped_gemm_tma.choose); "tma"
     wherever its descriptors can read the operands (sm90+, or the CPU under the interpreter), else what "auto"
-    would take."""
+    would take. The shape is read from the operands: their row capacity, not the routed rows (reading those would
+    sync with the device). Under expert parallelism with the allgather dispatcher the capacity counts every rank's
+    pairs, so the rows per local expert are overestimated and the choice leans towards CUTLASS."""
     N, K = a_NK.shape
     E, M = b_EKM.shape[0], b_EKM.shape[2]
     if impl == "tma" and tma.usable(a_NK, b_EKM) and (
