@@ -259,7 +259,8 @@ def pick_rows(impl: str, a_NK: torch.Tensor, b_EKM: torch.Tensor) -> tuple[str, 
     if impl == "tma" and tma.usable(a_NK, b_EKM) and (
             not a_NK.is_cuda or torch.cuda.get_device_capability(a_NK.device)[0] >= 9):
         return "tma", tma.choose(N, K, M, E, scaled=False)  # None: the kernel's default for the device
-    if impl == "auto" and torch_path_ok(a_NK, b_EKM) and tma.usable(a_NK, b_EKM):
+    if impl == "auto" and torch_path_ok(a_NK, b_EKM) and tma.usable(a_NK, b_EKM) and (
+            torch.cuda.get_device_capability(a_NK.device) == (9, 0)):  # where the choice was measured (Hopper)
         tiles = tma.choose(N, K, M, E, scaled=False)
         if tiles is not None:
             return "tma", tiles
