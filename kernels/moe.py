@@ -18,17 +18,17 @@ Rows >= R of every buffer are unspecified and never read. No host sync anywhere 
 
 precision="fp8" (kernels/fp8.py): the forward GEMMs (gate and up as one, down) and the activation-gradient GEMMs
 (dh; dx as one GEMM over [dg du] with K = 2F) run as e4m3 x e4m3 grouped GEMMs with fp32 accumulation and bf16
-output: torch._scaled_grouped_mm, or per shape our TMA kernel (kernels/grouped_gemm_tma.py). Activations are
-scaled per row, weights per output channel; the weights' operands come from kernels/fp8_weights.py, quantized
-in every call or once per reuse_weights() scope (master weights and optimizer untouched). Activations are quantized at token granularity where the rows are copies of a token: x_TD and dy_TD are
-quantized (T rows, not T*K) and their e4m3 rows gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their
-scale is w[t,k] times the token's scale. h and the rows of [dg du] (one scale per row over both) are quantized by
-the SwiGLU kernels themselves (kernels/swiglu.py; h is then never written in bf16). The three weight-gradient GEMMs
-stay bf16: torch's FP8 2d x 2d grouped GEMM takes K = tokens, which needs every expert's row group 16-aligned
-(padding the plan) and each of dy, h, dg, du, x quantized again per expert column, a cost about equal to what FP8
-would save there (benchmarks/RESULTS.md, "FP8 experts"). Saved for backward as in the bf16 path (g and u as the two
-halves of the gate-up GEMM's output) but x_TD for x_ND; outputs come back in bf16, gradients in their inputs' dtypes.
-"""
+output: torch._scaled_grouped_mm, or per shape our TMA kernel (kernels/grouped_gemm_tma.py). Activations are scaled
+per row, weights per output channel; the weights' operands come from kernels/fp8_weights.py, quantized in every call
+or once per reuse_weights() scope (master weights and optimizer untouched). Activations are quantized at token
+granularity where the rows are copies of a token: x_TD and dy_TD are quantized (T rows, not T*K) and their e4m3 rows
+gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is w[t,k] times the token's scale. h and
+the rows of [dg du] (one scale per row over both) are quantized by the SwiGLU kernels themselves (kernels/swiglu.py;
+h is then never written in bf16). The three weight-gradient GEMMs stay bf16: torch's FP8 2d x 2d grouped GEMM takes
+K = tokens, which needs every expert's row group 16-aligned (padding the plan) and each of dy, h, dg, du, x
+quantized again per expert column, a cost about equal to what FP8 would save there (benchmarks/RESULTS.md, "FP8
+experts"). Saved for backward as in the bf16 path (g and u as the two halves of the gate-up GEMM's output) but x_TD
+for x_ND; outputs come back in bf16, gradients in their inputs' dtypes. """
 
 from __future__ import annotations
 
