@@ -28,7 +28,8 @@ h is then never written in bf16). The three weight-gradient GEMMs stay bf16: tor
 K = tokens, which needs every expert's row group 16-aligned (padding the plan) and each of dy, h, dg, du, x
 quantized again per expert column, a cost about equal to what FP8 would save there (benchmarks/RESULTS.md, "FP8
 experts"). Saved for backward as in the bf16 path (g and u as the two halves of the gate-up GEMM's output) but x_TD
-for x_ND; outputs come back in bf16, gradients in their inputs' dtypes. """
+for x_ND; outputs come back in bf16, gradients in their inputs' dtypes.
+"""
 
 from __future__ import annotations
 
