@@ -292,9 +292,8 @@ def scaled_grouped_mm_reference(aq_NK, as_N, bq_EKM, bs_EM, offsets_E1) -> torch
 def scaled_grouped_mm(aq_NK, as_N, bq_EKM, bs_EM, plan, impl: str = "torch", compact: bool = True) -> torch.Tensor:
     """c_NM[r] = (as_N[r] * aq_NK[r]) @ (bq_EKM[e(r)] * bs_EM[e(r)]) for rows r < R of a RoutePlan, in bf16, N rows.
     impl: "torch" | "tma" (our persistent kernel; both sm90: anything else is refused here rather than silently slow)
-    | "reference". compact=False lets
-    the result be a view of a larger buffer (see scaled_grouped_mm_torch). aq_NK and as_N may hold more than the
-    plan's N rows (a producer's presented rows)."""
+    | "reference". compact=False lets the result be a view of a larger buffer (see scaled_grouped_mm_torch). aq_NK
+    and as_N may hold more than the plan's N rows (a producer's presented rows)."""
     N = plan.row_token_N.numel()
     if impl == "reference":
         return scaled_grouped_mm_reference(aq_NK[:N], as_N[:N], bq_EKM, bs_EM, plan.offsets_E1)

@@ -8,9 +8,9 @@ for rows r < R = offsets_E1[E]; rows >= R of c are left unwritten. Output bf16 (
 One program per multiprocessor walks the output tiles (expert row tile, column tile): GROUP_M row tiles side by side
 per column tile, so that the programs running at once share the A rows they read and B's column tiles in L2. Each
 program counts the experts' row tiles from the plan's counts and finds each tile's expert from them, on the device
-(no host sync, no torch ops before the launch). The A descriptor spans all N rows: a row tile
-that runs past its expert's last row computes rows of the next expert, which the masked store drops. B is read as a
-3-d [E, K, M] (or [E, M, K]) descriptor, so a tile never reads across an expert's end.
+(no host sync, no torch ops before the launch). The A descriptor spans all N rows: a row tile that runs past its
+expert's last row computes rows of the next expert, which the masked store drops. B is read as a 3-d [E, K, M] (or
+[E, M, K]) descriptor, so a tile never reads across an expert's end.
 
 FP8 accumulates in fp32: the tensor cores' partial sums are added into the fp32 accumulator every PROMOTE_K
 elements of K (DeepSeek-V3's promotion interval, 128), as torch._scaled_grouped_mm does with use_fast_accum=False.
@@ -164,8 +164,7 @@ def usable(a_NK: torch.Tensor, b_EKM: torch.Tensor) -> bool:
 
 def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: torch.Tensor,
                           offsets_E1: torch.Tensor, as_N: torch.Tensor | None = None,
-                          bs_EM: torch.Tensor | None = None, tiles: Tiles | None = None,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          bs_EM: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
     """The module docstring's c_NM. as_N / bs_EM: the row and column scales of e4m3 operands (both or neither)."""
     N, K = a_NK.shape
     E, _, M = b_EKM.shape
@@ -176,8 +175,7 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
         raise ValueError(f"operands a {tuple(a_NK.stride())} / b {tuple(b_EKM.stride())} ({a_NK.dtype}) cannot be "
                          "read through TMA descriptors: a needs unit-stride rows, b unit stride along K (e4m3) or "
                          "K or M (16-bit), every other stride 16-byte aligned")
-    dtype = out_dtype or (torch.bfloat16 if scaled else a_NK.dtype)
-    c_NM = torch.empty(N, M, dtype=dtype, device=a_NK.device)
+    c_NM = torch.empty(N, M, dtype=torch.bfloat16 if scaled else a_NK.dtype, device=a_NK.device)
     if N == 0 or E == 0:
         return c_NM
     t = tiles or (default_tiles(scaled) if a_NK.is_cuda else INTERPRETER_TILES)
