@@ -58,6 +58,8 @@ OURS_INTO, OURS_GRAPH = "ours bf16, grads into .grad", "ours bf16, grads into .g
 # their baseline: the naive pipeline with .grad allocated, so that autograd adds each gradient to it, as it does in
 # every micro-batch of the trainer (whose gradient buffers the optimizer zeroes rather than frees)
 NAIVE_INTO = "naive bf16, grads added to .grad"
+ROW_KEYS = {"bf16": OURS_BF16, "fp8": OURS_FP8, "fp8-reused": OURS_FP8_REUSED, "into": OURS_INTO,
+            "graph": OURS_GRAPH}  # --rows
 BASELINES = (NAIVE, NAIVE_INTO)
 TOL = {OURS_BF16: 1e-2, OURS_FP8: 1e-1, OURS_FP8_REUSED: 1e-1, OURS_INTO: 1e-2, OURS_GRAPH: 1e-2}
 
@@ -122,7 +124,7 @@ def load_stats(x_TD, router_ED, bias_E, d: Dims, hot: int) -> dict:
 
 
 def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile: bool = False,
-              gemm_impl: str = "auto") -> dict:
+              gemm_impl: str = "auto", rows: list[str] | None = None) -> dict:
     from moe_launch.kernels.fp8_weights import reuse_weights
     from moe_launch.kernels.moe import fast_experts
     from moe_launch.kernels.moe_graph import ExpertGraphs
@@ -148,6 +150,8 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
     graphs = ExpertGraphs()
     layers[OURS_GRAPH] = make_layer(fast_experts, params, d.K, fuse_grad_accumulation=True, graphs=graphs, **ours)
     layers[NAIVE] = layers[NAIVE_INTO] = make_layer(naive_experts, params, d.K, bias_E=bias_E)
+    if rows:  # the naive rows stay: every row is checked against the first, and compared with its like
+        layers = {k: v for k, v in layers.items() if k in BASELINES or any(ROW_KEYS[r] == k for r in rows)}
 
     def fwd_bwd(layer):
         xx = x_TD.detach().requires_grad_()
@@ -288,10 +292,14 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
+    ap.add_argument("--rows", default="", help="comma-separated, of " + ", ".join(ROW_KEYS)
+                    + ": our rows to run (default all); the naive rows always run")
     ap.add_argument("--gemm-impl", default="auto", choices=("auto", "torch", "tma"),
                     help="the row GEMMs of our rows: auto (the layer's choice per shape), torch (CUTLASS) or tma (our "
                          "persistent TMA kernel)")
     args = ap.parse_args()
+    if any(r not in ROW_KEYS for r in args.rows.split(",") if r):
+        ap.error(f"--rows takes names of {sorted(ROW_KEYS)}, got {args.rows!r}")
     stem = "moe_shapes" + ("" if args.which == "common" else f"-{args.which}") + (
         "" if args.gemm_impl == "auto" else f"-{args.gemm_impl}")
     log = file_log(args.out, f"{stem}.log")
@@ -325,7 +333,7 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile,
-                                            args.gemm_impl)
+                                            args.gemm_impl, [r for r in args.rows.split(",") if r])
         except Exception as e:  # noqa: BLE001  (an OOM or a crash is one row of the table, not the end of the run)
             results[shape.name] = {"error": f"{type(e).__name__}: {e}"[:200]}
             log(f"{shape.name} failed: {e!r}\n{traceback.format_exc()}"[:2000])

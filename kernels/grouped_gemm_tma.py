@@ -72,21 +72,59 @@ def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
 
 
 @triton.jit
+def dot16(a, b, acc, UPCAST: tl.constexpr):
+    """acc + a @ b for 16-bit tiles. UPCAST: Triton's CPU interpreter multiplies 16-bit tiles wrongly; their products
+    are exact in fp32."""
+    if UPCAST:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def tile_grid(counts_ptr, E, M, BM: tl.constexpr, BN: tl.constexpr, E_PAD: tl.constexpr):
+    """-> (tile_ends, n_tiles, total): each expert's row tiles end at tile_ends (the padding experts: never reached),
+    n_tiles column tiles, total output tiles. Counted in every program rather than by torch ops before the launch,
+    whose host time a small layer call would pay."""
+    experts = tl.arange(0, E_PAD)
+    tiles_E = tl.cdiv(tl.load(counts_ptr + experts, mask=experts < E, other=0), BM)
+    tile_ends = tl.where(experts < E, tl.cumsum(tiles_E, axis=0), 2147483647)
+    n_tiles = tl.cdiv(M, BN)
+    return tile_ends, n_tiles, tl.sum(tiles_E, axis=0) * n_tiles
+
+
+@triton.jit
+def tile_coords(tile, tile_ends, n_tiles, total, offsets_ptr, BM: tl.constexpr, BN: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """-> (e, row0, row_end, n0): output tile `tile` covers rows row0.. (those below row_end are expert e's) and
+    columns n0.. ."""
+    m_tiles = total // n_tiles
+    if GROUP_M == 1:
+        pid_m = tile // n_tiles
+        pid_n = tile % n_tiles
+    else:  # GROUP_M row tiles share each column tile of B while it is in L2 (few large experts)
+        width = GROUP_M * n_tiles
+        first_m = (tile // width) * GROUP_M
+        size = tl.minimum(m_tiles - first_m, GROUP_M)
+        pid_m = first_m + (tile % width) % size
+        pid_n = (tile % width) // size
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
+    first_tile = tl.max(tl.where(tile_ends <= pid_m, tile_ends, 0), axis=0)
+    row0 = tl.load(offsets_ptr + e) + (pid_m - first_tile) * BM
+    return e, row0, tl.load(offsets_ptr + e + 1), pid_n * BN
+
+
+@triton.jit
 def _gmm_persistent_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr,  # a [N, K]; b [E, K, M] as strided; c [N, M]; as [N], bs [E, M] fp32
     offsets_ptr, counts_ptr,  # int32 [E+1] row offsets; int32 [E] rows per expert
     N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
     SCALED: tl.constexpr, PROMOTE: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
-    experts = tl.arange(0, E_PAD)
-    tiles_E = tl.cdiv(tl.load(counts_ptr + experts, mask=experts < E, other=0), BM)
-    # each expert's row tiles end here (the padding experts: never reached); counted in every program rather than
-    # by torch ops before the launch, whose host time a small layer call would pay
-    tile_ends = tl.where(experts < E, tl.cumsum(tiles_E, axis=0), 2147483647)
-    n_tiles = tl.cdiv(M, BN)
-    m_tiles = tl.sum(tiles_E, axis=0)
-    total = m_tiles * n_tiles
+    tile_ends, n_tiles, total = tile_grid(counts_ptr, E, M, BM, BN, E_PAD)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
     if B_KMAJOR:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, M, K], strides=[s_be, s_bm, 1],
@@ -95,20 +133,7 @@ def _gmm_persistent_kernel(
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E, K, M], strides=[s_be, s_bk, 1],
                                            block_shape=[1, BK, BN])
     for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
-        if GROUP_M == 1:
-            pid_m = tile // n_tiles
-            pid_n = tile % n_tiles
-        else:  # GROUP_M row tiles share each column tile of B while it is in L2 (few large experts)
-            width = GROUP_M * n_tiles
-            first_m = (tile // width) * GROUP_M
-            size = tl.minimum(m_tiles - first_m, GROUP_M)
-            pid_m = first_m + (tile % width) % size
-            pid_n = (tile % width) // size
-        n0 = pid_n * BN
-        e = tl.sum((tile_ends <= pid_m).to(tl.int32), axis=0)
-        first_tile = tl.max(tl.where(tile_ends <= pid_m, tile_ends, 0), axis=0)
-        row0 = tl.load(offsets_ptr + e) + (pid_m - first_tile) * BM
-        row_end = tl.load(offsets_ptr + e + 1)
+        e, row0, row_end, n0 = tile_coords(tile, tile_ends, n_tiles, total, offsets_ptr, BM, BN, GROUP_M)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             a = a_desc.load([row0, k0])
@@ -119,7 +144,7 @@ def _gmm_persistent_kernel(
             if SCALED:
                 acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
             else:
-                acc = tl.dot(a, b, acc)
+                acc = dot16(a, b, acc, UPCAST)
         rows = row0 + tl.arange(0, BM)
         cols = n0 + tl.arange(0, BN)
         row_ok = rows < row_end
@@ -135,7 +160,7 @@ def _gmm_persistent_kernel(
 _SMS: dict[int, int] = {}
 
 
-def _programs(device: torch.device) -> int:
+def programs_for(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs, each walking several tiles
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -181,7 +206,7 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
     t = tiles or (default_tiles(scaled) if a_NK.is_cuda else INTERPRETER_TILES)
     kmajor = b_kmajor(b_EKM)
     upper = (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN)
-    programs = min(_programs(a_NK.device), upper)
+    programs = min(programs_for(a_NK.device), upper)
     tma_allocator()
     dummy = c_NM  # scale pointers unused when SCALED is False
     launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N.contiguous() if scaled else dummy,
@@ -189,5 +214,6 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
            b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0), programs,
            BM=t.BM, BN=t.BN, BK=t.BK, E_PAD=next_pow2(E), B_KMAJOR=kmajor, SCALED=scaled,
            PROMOTE=min(PROMOTE_K, t.BK) if scaled else 0, GROUP_M=t.group_m,
-           FLATTEN=t.flatten, num_warps=t.num_warps, num_stages=t.num_stages)
+           FLATTEN=t.flatten, UPCAST=not scaled and not a_NK.is_cuda, num_warps=t.num_warps,
+           num_stages=t.num_stages)
     return c_NM

@@ -1,17 +1,20 @@
 """The compiled persistent TMA grouped GEMM on an sm90 GPU: random uneven routing with empty experts and rows past
 the last expert's filled with NaN, each tile the layer may choose, bf16 with b in both layouts and e4m3 with scales,
-against fp32 products; then the expert layer with gemm_impl="tma" against gemm_impl="torch" (CUTLASS), bf16 and
-FP8, output and every gradient. Run by test_grouped_gemm_tma.py in a process without TRITON_INTERPRET; prints one
-line starting "ok" or "FAIL", exits non-zero on a failure."""
+against fp32 products; the fused SwiGLU GEMMs (kernels/swiglu_gemm.py) with their default tiles against fp32
+products and the unfused SwiGLU kernels; then the expert layer with gemm_impl="tma" against gemm_impl="torch"
+(CUTLASS), bf16 (the fused kernels) and FP8, output and every gradient. Run by test_grouped_gemm_tma.py in a
+process without TRITON_INTERPRET; prints one line starting "ok" or "FAIL", exits non-zero on a failure."""
 
 from __future__ import annotations
 
 import torch
 import triton  # noqa: F401  (first: compiled mode)
 
-from moe_launch.kernels import fp8
+from moe_launch.kernels import fp8, moe
 from moe_launch.kernels import grouped_gemm_tma as tma
+from moe_launch.kernels import swiglu_gemm as sg
 from moe_launch.kernels.moe import fast_experts
+from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
 
 TILES_BF16 = [tma.default_tiles(False), tma.Tiles(128, 256, 64, 8, 3), tma.choose(65536, 2048, 1024, 64, False)]
 TILES_FP8 = [tma.default_tiles(True), tma.choose(65536, 1024, 2048, 64, True), tma.Tiles(256, 128, 128, 8, 3)]
@@ -58,20 +61,39 @@ def gemm_errors(gen: torch.Generator) -> dict[str, float]:
     for t in TILES_FP8:
         c = tma.grouped_mm_persistent(aq, bq, counts_E, offsets_E1, as_, bs, tiles=t)
         errs[f"e4m3 {name(t)}"] = rel(c[:R], ref_q)
+    # fused: w [E, M, K] as the gate and up weights (x @ w^T), w_mmajor as the down weight of the backward (dy @ w)
+    w2 = (0.05 * torch.randn(E, M, K, generator=gen)).cuda().bfloat16()
+    ref_k2 = fp32_product(a.float(), w2.float().transpose(1, 2))
+    num_rows = offsets_E1[-1:]
+    g, u, h = sg.swiglu_up(a, w.transpose(1, 2), w2.transpose(1, 2), counts_E, offsets_E1)
+    errs["fused up g"], errs["fused up u"] = rel(g[:R], ref_k), rel(u[:R], ref_k2)
+    errs["fused up h"] = rel(h[:R], swiglu_fwd(g, u, num_rows)[:R])
+    dg, du, h = sg.down_swiglu_bwd(a, w_mmajor, g, u, counts_E, offsets_E1)
+    for n, got, ref in zip(("dg", "du", "h"), (dg, du, h), swiglu_bwd(g, u, ref_m.bfloat16(), num_rows)):
+        errs[f"fused dh {n}"] = rel(got[:R], ref[:R])
+    c = sg.dual_mm(dg, w, du, w2, counts_E, offsets_E1)  # dx = dg @ w_gate + du @ w_up, weights stored [E, F, D]
+    ref = torch.zeros(R, K, device="cuda")
+    for e in range(E):
+        lo, hi = int(offsets_E1[e]), int(offsets_E1[e + 1])
+        ref[lo:hi] = dg[lo:hi].float() @ w[e].float() + du[lo:hi].float() @ w2[e].float()
+    errs["fused dual"] = rel(c[:R], ref)
     return errs
 
 
 def counting_calls() -> list[int]:
-    """Count the launches of our kernel (the layer reaches it through the module attribute), so that a layer whose
+    """Count the launches of our kernels (the layer reaches them through module attributes), so that a layer whose
     two paths agree is known to have run both."""
     calls = [0]
-    kernel = tma.grouped_mm_persistent
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return kernel(*args, **kwargs)
+    def counted(kernel):
+        def run(*args, **kwargs):
+            calls[0] += 1
+            return kernel(*args, **kwargs)
+        return run
 
-    tma.grouped_mm_persistent = counted
+    tma.grouped_mm_persistent = counted(tma.grouped_mm_persistent)
+    for fused in ("swiglu_up", "down_swiglu_bwd", "dual_mm"):
+        setattr(moe, fused, counted(getattr(moe, fused)))
     return calls
 
 
@@ -93,8 +115,8 @@ def layer_errors(gen: torch.Generator) -> dict[str, float]:
             before = calls[0]
             y = fast_experts(x, idx, w, *ws, precision=precision, gemm_impl=impl)
             y.backward(dy)
-            # bf16: gate, up, down, dh and two dx GEMMs; FP8: gate+up, down, dh, dx
-            expected = 0 if impl == "torch" else (6 if precision == "bf16" else 4)
+            # bf16: gate+up with SwiGLU, down, dh with SwiGLU's backward, dx; FP8: gate+up, down, dh, dx
+            expected = 0 if impl == "torch" else 4
             if calls[0] - before != expected:
                 raise SystemExit(f"FAIL: {precision} gemm_impl={impl} ran our kernel {calls[0] - before} times, "
                                  f"not {expected}")

@@ -1,7 +1,8 @@
-"""Compile the FP8 path's Triton kernels and the accumulating weight-gradient GEMM (TMA reads) for sm90 (Hopper)
-on a machine without a GPU: Triton's own front end and ptxas, with every constexpr variant the layer launches. Run
-by test_sm90_compile.py in a fresh interpreter, since a process that imported moe_launch.kernels without a GPU has
-Triton in interpreter mode. Prints one line per kernel variant; exits non-zero on the first failure."""
+"""Compile the FP8 path's Triton kernels, the accumulating weight-gradient GEMM (TMA reads), the persistent TMA
+grouped GEMM and the fused SwiGLU GEMMs for sm90 (Hopper) on a machine without a GPU: Triton's own front end and
+ptxas, with every constexpr variant the layer launches. Run by test_sm90_compile.py in a fresh interpreter, since a
+process that imported moe_launch.kernels without a GPU has Triton in interpreter mode. Prints one line per kernel
+variant; exits non-zero on the first failure."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton  # first, before moe_launch.kernels: compiled mode
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_launch.kernels import fp8, grouped_gemm, swiglu
+from moe_launch.kernels import fp8, grouped_gemm, grouped_gemm_tma, swiglu, swiglu_gemm
 
 SM90 = GPUTarget("cuda", 90, 32)
 I32, I64, C = "i32", "i64", "constexpr"
@@ -52,6 +53,45 @@ def main() -> None:
     compile_sm90(grouped_gemm._gmm_wgrad_kernel, wgrad, {"BM": t.BM, "BN": t.BN, "BR": t.BR, "IEEE": False,
                                                          "UPCAST": False, "ACCUMULATE": True, "TMA": True},
                  num_warps=t.num_warps, num_stages=t.num_stages)
+    persistent_tma(I32, C)
+
+
+def persistent_tma(I32: str, C: str) -> None:
+    """The persistent TMA grouped GEMM with the tiles the layer launches, and the fused SwiGLU GEMMs built on it."""
+    walk = {"offsets_ptr": "*i32", "counts_ptr": "*i32", "N": I32, "E": I32, "M": I32, "K": I32, "s_an": I32,
+            "s_be": I32, "s_bk": I32, "s_bm": I32}
+    tail = {"BM": C, "BN": C, "BK": C, "E_PAD": C, "B_KMAJOR": C}
+
+    def meta(t, kmajor: bool, **more):
+        return {"BM": t.BM, "BN": t.BN, "BK": t.BK, "E_PAD": 64, "B_KMAJOR": kmajor, "GROUP_M": t.group_m,
+                "FLATTEN": t.flatten, **more}
+
+    def opts(t):
+        return {"num_warps": t.num_warps, "num_stages": t.num_stages}
+
+    plain = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "as_ptr": "*fp32", "bs_ptr": "*fp32", **walk,
+             "s_cn": I32, "num_programs": I32, **tail, "SCALED": C, "PROMOTE": C, "GROUP_M": C, "FLATTEN": C,
+             "UPCAST": C}
+    for kmajor in (True, False):
+        t = grouped_gemm_tma.default_tiles(scaled=False)
+        compile_sm90(grouped_gemm_tma._gmm_persistent_kernel, plain,
+                     meta(t, kmajor, SCALED=False, PROMOTE=0, UPCAST=False), **opts(t))
+    t = grouped_gemm_tma.default_tiles(scaled=True)
+    compile_sm90(grouped_gemm_tma._gmm_persistent_kernel, {**plain, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv"},
+                 meta(t, True, SCALED=True, PROMOTE=grouped_gemm_tma.PROMOTE_K, UPCAST=False), **opts(t))
+    fused_tail = {**tail, "GROUP_M": C, "FLATTEN": C, "UPCAST": C}
+    tiles = swiglu_gemm.default_tiles()
+    up = {**{n: "*bf16" for n in ("a_ptr", "bg_ptr", "bu_ptr", "g_ptr", "u_ptr", "h_ptr")}, **walk, "s_cn": I32,
+          "num_programs": I32, **fused_tail}
+    down = {**{n: "*bf16" for n in ("a_ptr", "b_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr", "h_ptr")}, **walk,
+            "s_gn": I32, "s_un": I32, "s_cn": I32, "num_programs": I32, **fused_tail}
+    dual = {**{n: "*bf16" for n in ("a1_ptr", "a2_ptr", "b1_ptr", "b2_ptr", "c_ptr")}, **walk, "s_cn": I32,
+            "num_programs": I32, **fused_tail}
+    # as the layer launches them: w_gate/w_up transposed (K-major), w_down and the dx weights M-major
+    compile_sm90(swiglu_gemm._swiglu_up_kernel, up, meta(tiles.up, True, UPCAST=False), **opts(tiles.up))
+    compile_sm90(swiglu_gemm._down_swiglu_bwd_kernel, down, meta(tiles.down_bwd, False, UPCAST=False),
+                 **opts(tiles.down_bwd))
+    compile_sm90(swiglu_gemm._dual_mm_kernel, dual, meta(tiles.dual, False, UPCAST=False), **opts(tiles.dual))
 
 
 if __name__ == "__main__":
