@@ -26,13 +26,13 @@ from moe_launch.kernels.reduce import combine
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
 
 UP_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8),
-            Tiles(128, 128, 64, 8, 3, group_m=8, flatten=True), Tiles(128, 64, 64, 4, 4, group_m=8),
-            Tiles(64, 128, 64, 4, 4, group_m=8)]
+            Tiles(256, 64, 64, 8, 3, group_m=8)]
 DOWN_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8),
-              Tiles(128, 256, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8, flatten=True),
-              Tiles(128, 128, 64, 4, 4, group_m=8)]
-DUAL_TILES = [Tiles(128, 256, 64, 8, 3, group_m=8, flatten=True), Tiles(128, 256, 64, 8, 3, group_m=8),
-              Tiles(128, 128, 64, 8, 4, group_m=8, flatten=True), Tiles(256, 128, 64, 8, 3, group_m=8)]
+              Tiles(128, 128, 64, 8, 4, group_m=8, flatten=True), Tiles(128, 256, 64, 8, 3, group_m=8),
+              Tiles(64, 256, 64, 8, 4, group_m=8)]
+DUAL_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 3, group_m=8, flatten=True),
+              Tiles(128, 256, 32, 8, 3, group_m=8), Tiles(128, 256, 32, 8, 4, group_m=8),
+              Tiles(128, 256, 64, 8, 2, group_m=8)]
 
 
 def shapes() -> dict[str, tuple[int, int, int, int, int]]:

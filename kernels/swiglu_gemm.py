@@ -85,15 +85,18 @@ def _down_swiglu_bwd_kernel(
     b_desc = _b_desc(b_ptr, E, K, M, s_be, s_bk, s_bm, BN, BK, B_KMAJOR)
     for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
         e, row0, row_end, n0 = tile_coords(tile, tile_ends, n_tiles, total, offsets_ptr, BM, BN, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            acc = dot16(a_desc.load([row0, k0]), _b_tile(b_desc, e, k0, n0, BN, BK, B_KMAJOR), acc, UPCAST)
         rows = row0 + tl.arange(0, BM)
         cols = n0 + tl.arange(0, BN)
         mask = (rows < row_end)[:, None] & (cols < M)[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        g = tl.load(g_ptr + r64 * s_gn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + r64 * s_un + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # issued before the K loop, so that their latency hides behind it rather than stalling the epilogue
+        g = tl.load(g_ptr + r64 * s_gn + cols[None, :], mask=mask, other=0.0)
+        u = tl.load(u_ptr + r64 * s_un + cols[None, :], mask=mask, other=0.0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            acc = dot16(a_desc.load([row0, k0]), _b_tile(b_desc, e, k0, n0, BN, BK, B_KMAJOR), acc, UPCAST)
+        g = g.to(tl.float32)
+        u = u.to(tl.float32)
         dh = acc.to(dg_ptr.dtype.element_ty).to(tl.float32)
         s = tl.sigmoid(g)
         silu = g * s
@@ -139,8 +142,8 @@ INTERPRETER_TILES = FusedTiles(*(Tiles(32, 32, 32, 4, 2, group_m=2) for _ in ran
 
 
 def default_tiles() -> FusedTiles:
-    return FusedTiles(up=Tiles(128, 128, 64, 8, 3, group_m=8), down_bwd=Tiles(128, 128, 64, 8, 3, group_m=8),
-                      dual=Tiles(128, 256, 64, 8, 3, group_m=8, flatten=True))
+    return FusedTiles(up=Tiles(128, 128, 64, 8, 3, group_m=8), down_bwd=Tiles(128, 128, 64, 8, 4, group_m=8),
+                      dual=Tiles(128, 128, 64, 8, 3, group_m=8))
 
 
 def _tiles(t: Tiles | None, pick: str, device: torch.device) -> Tiles:

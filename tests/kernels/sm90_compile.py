@@ -13,6 +13,7 @@ from triton.compiler import ASTSource
 from moe_launch.kernels import fp8, grouped_gemm, grouped_gemm_tma, swiglu, swiglu_gemm
 
 SM90 = GPUTarget("cuda", 90, 32)
+SM90_SHARED_BYTES = 232448  # per block, opted in (H100 / H200)
 I32, I64, C = "i32", "i64", "constexpr"
 
 
@@ -20,6 +21,8 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict[str, object], *
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=SM90,
                             options=options or None)
     assert kernel.asm.get("cubin"), f"{fn.__name__}: no cubin"
+    # the launch, not the compiler, refuses a kernel that needs more shared memory than a Hopper SM has
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES, f"{fn.__name__}: {kernel.metadata.shared} B of shared memory"
     print(f"ok {fn.__name__} {constexprs}")
 
 
