@@ -1,9 +1,8 @@
 """The fused SwiGLU grouped GEMMs (kernels/swiglu_gemm.py) against the unfused stages they replace, per tile.
 
 Run on one GPU (sm90):  PYTHONUNBUFFERED=1 python benchmarks/swiglu_gemm_tiles.py --out $OUT
-For each layer shape (rows spread evenly over the experts, weights stored as the layer stores them), three stages:
+For each layer shape (rows spread evenly over the experts, weights stored as the layer stores them), two stages:
   up      CUTLASS gate GEMM + CUTLASS up GEMM + the SwiGLU kernel     against swiglu_up
-  dh      CUTLASS dh GEMM + the SwiGLU backward kernel                against down_swiglu_bwd
   dx      CUTLASS dx gate + dx up GEMMs + combining two row sets      against dual_mm + combining one
 Each fused result is first checked against the unfused one on the same operands (relative L2), then timed
 (do_bench median, ms). Prints one line per stage and shape, a table last.
@@ -25,14 +24,9 @@ from moe_launch.kernels.grouped_gemm_tma import Tiles
 from moe_launch.kernels.reduce import combine
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
 
-UP_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8),
-            Tiles(256, 64, 64, 8, 3, group_m=8)]
-DOWN_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8),
-              Tiles(128, 128, 64, 8, 4, group_m=8, flatten=True), Tiles(128, 256, 64, 8, 3, group_m=8),
-              Tiles(64, 256, 64, 8, 4, group_m=8)]
-DUAL_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 3, group_m=8, flatten=True),
-              Tiles(128, 256, 32, 8, 3, group_m=8), Tiles(128, 256, 32, 8, 4, group_m=8),
-              Tiles(128, 256, 64, 8, 2, group_m=8)]
+UP_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8)]
+DUAL_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 256, 32, 8, 3, group_m=8),
+              Tiles(128, 256, 32, 8, 4, group_m=8), Tiles(128, 256, 64, 8, 2, group_m=8)]
 
 
 def shapes() -> dict[str, tuple[int, int, int, int, int]]:
@@ -70,10 +64,7 @@ def measure(T: int, K: int, D: int, F: int, E: int, rep_ms: int, log) -> dict:
 
     g_NF, u_NF, _ = up_unfused()
 
-    def dh_unfused():
-        return swiglu_bwd(g_NF, u_NF, gm(dy_ND, w_down, offs=ends_E), num_rows)
-
-    dg_NF, du_NF, _ = dh_unfused()
+    dg_NF, du_NF, _ = swiglu_bwd(g_NF, u_NF, gm(dy_ND, w_down, offs=ends_E), num_rows)
 
     def dx_unfused():
         return combine(gm(dg_NF, w_gate, offs=ends_E), pair_row_TK, None, rows2_ND=gm(du_NF, w_up, offs=ends_E))
@@ -81,8 +72,6 @@ def measure(T: int, K: int, D: int, F: int, E: int, rep_ms: int, log) -> dict:
     stages = {
         "up": (up_unfused, UP_TILES, lambda t: sg.swiglu_up(x_ND, w_gate.transpose(1, 2), w_up.transpose(1, 2),
                                                             counts_E, offsets_E1, tiles=t)),
-        "dh": (dh_unfused, DOWN_TILES, lambda t: sg.down_swiglu_bwd(dy_ND, w_down, g_NF, u_NF, counts_E, offsets_E1,
-                                                                    tiles=t)),
         "dx": (dx_unfused, DUAL_TILES, lambda t: combine(sg.dual_mm(dg_NF, w_gate, du_NF, w_up, counts_E,
                                                                     offsets_E1, tiles=t), pair_row_TK, None)),
     }

@@ -15,9 +15,9 @@ place of x_ND, which then only feeds the weight gradients and is gathered in the
 Backward: reduction bwd (dy_ND, dw_TK) -> dh = dy_ND @ w_down -> SwiGLU bwd (dg, du, h) -> weight grads via
 grouped_mm_wgrad -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one reduction pass (no atomics).
 Rows >= R of every buffer are unspecified and never read. No host sync anywhere on this path.
-bf16 on Hopper where kernels/swiglu_gemm.py fused_path says so: gate and up as one pass with SwiGLU in its epilogue
-(g, u, h written), dh with SwiGLU's backward in its epilogue (dh never written), dx as dg @ w_gate + du @ w_up in one
-accumulator; the down GEMM and the weight gradients as above.
+bf16 on Hopper where kernels/swiglu_gemm.py fused_path says so: gate and up as one pass over x_ND with SwiGLU in its
+epilogue (g, u, h written), and dx as dg @ w_gate + du @ w_up in one accumulator (one row set to combine); the other
+GEMMs and stages as above.
 
 precision="fp8" (kernels/fp8.py): the forward GEMMs (gate and up as one, down) and the activation-gradient GEMMs
 (dh; dx as one GEMM over [dg du] with K = 2F) run as e4m3 x e4m3 grouped GEMMs with fp32 accumulation and bf16
@@ -50,7 +50,7 @@ from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad, groupe
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
 from moe_launch.kernels.reduce import combine, combine_bwd
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_bwd_fp8, swiglu_fwd, swiglu_fwd_fp8
-from moe_launch.kernels.swiglu_gemm import down_swiglu_bwd, dual_mm, fused_path, swiglu_up
+from moe_launch.kernels.swiglu_gemm import dual_mm, fused_path, swiglu_up
 
 if TYPE_CHECKING:
     from moe_launch.kernels.moe_graph import ExpertGraphs
@@ -91,7 +91,7 @@ def experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_star
         x_saved = x_TD  # the bf16 rows only feed the weight gradients: gathered in the backward
     else:
         x_ND = x_saved = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
-        fused = fused_path(gemm_impl, x_ND, w_gate_EFD, w_up_EFD, w_down_EDF)
+        fused = fused_path(gemm_impl, x_ND, w_gate_EFD, w_up_EFD)
         if fused:  # one pass over x_ND for both projections, SwiGLU in the epilogue
             g_NF, u_NF, h_NF = swiglu_up(x_ND, w_gate_EFD.transpose(1, 2), w_up_EFD.transpose(1, 2), plan.counts_E,
                                          plan.offsets_E1)
@@ -119,14 +119,12 @@ def experts_backward(saved: ExpertsSaved, dy_TD: torch.Tensor, need: tuple[bool,
     if fp8_mm is not None:
         rows = fp8_mm.presented(dy_TD.shape[1], g_NF.shape[1])
         dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK, rows), ops.down_t(), saved=False)
-    elif not saved.fused:
+    else:
         dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
     x_ND = x_saved
     if ops is not None and (need[2] or need[3]):  # fp8 saved x_TD: the rows the weight gradients take
         x_ND = gather_rows(x_saved, plan.row_token_N, plan.num_rows)
-    if saved.fused:  # dh in the GEMM's registers only
-        dg_NF, du_NF, h_NF = down_swiglu_bwd(dy_ND, w_down_EDF, g_NF, u_NF, plan.counts_E, plan.offsets_E1)
-    elif fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
+    if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
         dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
     else:
         dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)

@@ -3,14 +3,15 @@ accumulation, on the persistent TMA tile walk of kernels/grouped_gemm_tma.py.
 
   swiglu_up(x_ND, bg_EDF, bu_EDF)          g = x @ bg, u = x @ bu, h = silu(g) * u   one pass over x's rows, no SwiGLU
                                                                                      kernel reading g and u back
-  down_swiglu_bwd(dy_ND, b_EDF, g, u)      dh = dy @ b, then dg, du and h           dh never written or read back
   dual_mm(a1_NK, b1_EKM, a2_NK, b2_EKM)    a1 @ b1 + a2 @ b2, one fp32 accumulator   dx from dg and du without
                                                                                      concatenating the weights, and
                                                                                      one row set to combine
 Rows r < R = offsets_E1[E] of an expert-sorted plan; rows >= R are left unwritten. The results equal the unfused
-stages (kernels/grouped_gemm.py, kernels/swiglu.py) up to the order of fp32 additions: the element-wise math reads g,
-u and dh rounded to the operands' dtype first, as the unfused kernels read them back from memory; dual_mm rounds
-once where the unfused path rounds each product and adds them in the combine.
+stages (kernels/grouped_gemm.py, kernels/swiglu.py) up to the order of fp32 additions: SwiGLU reads g and u rounded to
+the operands' dtype first, as the unfused kernel reads them back from memory; dual_mm rounds once where the unfused
+path rounds each product and adds them in the combine.
+SwiGLU's backward stays a kernel of its own (kernels/swiglu.py): fused into the dh GEMM's epilogue it ran slower than
+the two apart (benchmarks/RESULTS.md), since a persistent tile's epilogue does not overlap its main loop.
 """
 
 from __future__ import annotations
@@ -74,39 +75,6 @@ def _swiglu_up_kernel(
 
 
 @triton.jit
-def _down_swiglu_bwd_kernel(
-    a_ptr, b_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, h_ptr,  # a [N, K]; b [E, K, M]; g, u [N, M] strided; dg, du, h [N, M]
-    offsets_ptr, counts_ptr, N, E, M, K, s_an, s_be, s_bk, s_bm, s_gn, s_un, s_cn, num_programs,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
-):
-    tile_ends, n_tiles, total = tile_grid(counts_ptr, E, M, BM, BN, E_PAD)
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
-    b_desc = _b_desc(b_ptr, E, K, M, s_be, s_bk, s_bm, BN, BK, B_KMAJOR)
-    for tile in tl.range(tl.program_id(0), total, num_programs, flatten=FLATTEN):
-        e, row0, row_end, n0 = tile_coords(tile, tile_ends, n_tiles, total, offsets_ptr, BM, BN, GROUP_M)
-        rows = row0 + tl.arange(0, BM)
-        cols = n0 + tl.arange(0, BN)
-        mask = (rows < row_end)[:, None] & (cols < M)[None, :]
-        r64 = rows.to(tl.int64)[:, None]
-        # issued before the K loop, so that their latency hides behind it rather than stalling the epilogue
-        g = tl.load(g_ptr + r64 * s_gn + cols[None, :], mask=mask, other=0.0)
-        u = tl.load(u_ptr + r64 * s_un + cols[None, :], mask=mask, other=0.0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            acc = dot16(a_desc.load([row0, k0]), _b_tile(b_desc, e, k0, n0, BN, BK, B_KMAJOR), acc, UPCAST)
-        g = g.to(tl.float32)
-        u = u.to(tl.float32)
-        dh = acc.to(dg_ptr.dtype.element_ty).to(tl.float32)
-        s = tl.sigmoid(g)
-        silu = g * s
-        offs = r64 * s_cn + cols[None, :]
-        tl.store(dg_ptr + offs, (dh * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask)
-        tl.store(du_ptr + offs, (dh * silu).to(du_ptr.dtype.element_ty), mask=mask)
-        tl.store(h_ptr + offs, (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _dual_mm_kernel(
     a1_ptr, a2_ptr, b1_ptr, b2_ptr, c_ptr,  # a1, a2 [N, K] with equal strides; b1, b2 [E, K, M] likewise; c [N, M]
     offsets_ptr, counts_ptr, N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
@@ -134,16 +102,16 @@ def _dual_mm_kernel(
 class FusedTiles:
     """One tile per kernel. swiglu_up's BN is each projection's width (its program holds two accumulators)."""
     up: Tiles
-    down_bwd: Tiles
     dual: Tiles
 
 
-INTERPRETER_TILES = FusedTiles(*(Tiles(32, 32, 32, 4, 2, group_m=2) for _ in range(3)))
+INTERPRETER_TILES = FusedTiles(*(Tiles(32, 32, 32, 4, 2, group_m=2) for _ in range(2)))
 
 
 def default_tiles() -> FusedTiles:
-    return FusedTiles(up=Tiles(128, 128, 64, 8, 3, group_m=8), down_bwd=Tiles(128, 128, 64, 8, 4, group_m=8),
-                      dual=Tiles(128, 128, 64, 8, 3, group_m=8))
+    """The tiles that ran fastest over the shapes of benchmarks/swiglu_gemm_tiles.py. dual_mm reads four tiles per K
+    step: with BK 32 three stages fit Hopper's shared memory at a 128 x 256 output tile."""
+    return FusedTiles(up=Tiles(128, 128, 64, 8, 4, group_m=8), dual=Tiles(128, 256, 32, 8, 3, group_m=8))
 
 
 def _tiles(t: Tiles | None, pick: str, device: torch.device) -> Tiles:
@@ -156,26 +124,27 @@ def fusable(a_NK: torch.Tensor, *bs_EKM: torch.Tensor) -> bool:
             and all(usable(a_NK, b) and b.stride() == bs_EKM[0].stride() for b in bs_EKM))
 
 
-# Where the fused kernels ran faster than the unfused stages on torch's CUTLASS GEMMs (benchmarks/moe_shapes.py,
-# RESULTS.md): rows per expert on average, and the largest of the model dim and the expert hidden size.
-MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 512, 1024
-MAX_DIM = 2048
+# Where both fused kernels ran faster than the stages they replace on torch's CUTLASS GEMMs
+# (benchmarks/swiglu_gemm_tiles.py, RESULTS.md): 512 rows per expert on average or more, with the model dim and the
+# expert hidden size up to gpt-oss-20b's 2880. With Mixtral's few large experts (4096 x 14336) the fused gate+up
+# only equalled CUTLASS and dual_mm was slower. Fewer rows per expert were not measured.
+MIN_ROWS_PER_EXPERT = 512
+MAX_DIM = 2880
 
 
 def choose(N: int, D: int, F: int, E: int) -> bool:
     """Whether "auto" fuses the SwiGLU GEMMs of a layer call with N row capacity over E experts. Pure."""
-    return MIN_ROWS_PER_EXPERT <= N // max(E, 1) <= MAX_ROWS_PER_EXPERT and max(D, F) <= MAX_DIM
+    return N // max(E, 1) >= MIN_ROWS_PER_EXPERT and max(D, F) <= MAX_DIM
 
 
-def fused_path(impl: str, x_ND: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor,
-               w_down_EDF: torch.Tensor) -> bool:
+def fused_path(impl: str, x_ND: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD: torch.Tensor) -> bool:
     """Whether a bf16 layer call runs the fused kernels: gemm_impl "tma" wherever they can read the operands (sm90+,
     or the CPU under the interpreter); "auto" on Hopper where choose() says they won, and the CUTLASS path could run
     as well (the shape read from the row capacity, as kernels/grouped_gemm.py pick_rows reads it); never else."""
     if impl not in ("tma", "auto"):
         return False
     rows_NF = x_ND.new_empty(0, w_gate_EFD.shape[1])  # how dg and du will be laid out (no storage)
-    if not (fusable(x_ND, w_gate_EFD.transpose(1, 2), w_up_EFD.transpose(1, 2)) and fusable(x_ND, w_down_EDF)
+    if not (fusable(x_ND, w_gate_EFD.transpose(1, 2), w_up_EFD.transpose(1, 2))
             and fusable(rows_NF, w_gate_EFD, w_up_EFD)):
         return False
     if not x_ND.is_cuda:
@@ -184,7 +153,7 @@ def fused_path(impl: str, x_ND: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD
     if impl == "tma":
         return cap[0] >= 9
     E, F, D = w_gate_EFD.shape
-    return cap == (9, 0) and torch_path_ok(x_ND, w_down_EDF) and choose(x_ND.shape[0], D, F, E)
+    return cap == (9, 0) and torch_path_ok(x_ND, w_gate_EFD, w_up_EFD) and choose(x_ND.shape[0], D, F, E)
 
 
 def _launch(kernel, a_NK, b_EKM, M: int, counts_E, offsets_E1, t: Tiles, ptrs: tuple, strides: tuple,
@@ -216,22 +185,6 @@ def swiglu_up(x_ND: torch.Tensor, bg_EDF: torch.Tensor, bu_EDF: torch.Tensor, co
         _launch(_swiglu_up_kernel, x_ND, bg_EDF, F, counts_E, offsets_E1, _tiles(tiles, "up", x_ND.device),
                 (x_ND, bg_EDF, bu_EDF, g_NF, u_NF, h_NF), (), g_NF.stride(0))
     return g_NF, u_NF, h_NF
-
-
-def down_swiglu_bwd(dy_ND: torch.Tensor, b_EDF: torch.Tensor, g_NF: torch.Tensor, u_NF: torch.Tensor,
-                    counts_E: torch.Tensor, offsets_E1: torch.Tensor, tiles: Tiles | None = None):
-    """-> (dg_NF, du_NF, h_NF): dh = dy @ b (b = w_down_EDF), then SwiGLU's backward at g, u, and h again for the
-    down projection's weight gradient."""
-    _check(dy_ND, b_EDF)
-    if g_NF.stride(1) != 1 or u_NF.stride(1) != 1:
-        raise ValueError("g_NF and u_NF need unit-stride rows")
-    N, F = dy_ND.shape[0], b_EDF.shape[2]
-    dg_NF, du_NF, h_NF = (torch.empty(N, F, dtype=dy_ND.dtype, device=dy_ND.device) for _ in range(3))
-    if N and b_EDF.shape[0]:
-        _launch(_down_swiglu_bwd_kernel, dy_ND, b_EDF, F, counts_E, offsets_E1,
-                _tiles(tiles, "down_bwd", dy_ND.device), (dy_ND, b_EDF, g_NF, u_NF, dg_NF, du_NF, h_NF),
-                (g_NF.stride(0), u_NF.stride(0)), dg_NF.stride(0))
-    return dg_NF, du_NF, h_NF
 
 
 def dual_mm(a1_NK: torch.Tensor, b1_EKM: torch.Tensor, a2_NK: torch.Tensor, b2_EKM: torch.Tensor,

@@ -86,14 +86,10 @@ def persistent_tma(I32: str, C: str) -> None:
     tiles = swiglu_gemm.default_tiles()
     up = {**{n: "*bf16" for n in ("a_ptr", "bg_ptr", "bu_ptr", "g_ptr", "u_ptr", "h_ptr")}, **walk, "s_cn": I32,
           "num_programs": I32, **fused_tail}
-    down = {**{n: "*bf16" for n in ("a_ptr", "b_ptr", "g_ptr", "u_ptr", "dg_ptr", "du_ptr", "h_ptr")}, **walk,
-            "s_gn": I32, "s_un": I32, "s_cn": I32, "num_programs": I32, **fused_tail}
     dual = {**{n: "*bf16" for n in ("a1_ptr", "a2_ptr", "b1_ptr", "b2_ptr", "c_ptr")}, **walk, "s_cn": I32,
             "num_programs": I32, **fused_tail}
-    # as the layer launches them: w_gate/w_up transposed (K-major), w_down and the dx weights M-major
+    # as the layer launches them: w_gate/w_up transposed (K-major) forward, as stored (M-major) for dx
     compile_sm90(swiglu_gemm._swiglu_up_kernel, up, meta(tiles.up, True, UPCAST=False), **opts(tiles.up))
-    compile_sm90(swiglu_gemm._down_swiglu_bwd_kernel, down, meta(tiles.down_bwd, False, UPCAST=False),
-                 **opts(tiles.down_bwd))
     compile_sm90(swiglu_gemm._dual_mm_kernel, dual, meta(tiles.dual, False, UPCAST=False), **opts(tiles.dual))
 
 

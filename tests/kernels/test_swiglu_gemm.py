@@ -1,7 +1,7 @@
 """The fused SwiGLU grouped GEMMs (kernels/swiglu_gemm.py) against the unfused stages they replace, under Triton's
 interpreter: random uneven routing with empty experts and NaN rows past the last expert's, both layouts of b, a tile
-walk with and without row grouping; the operands they refuse. test_moe_layer.py and test_grouped_gemm_tma.py run
-them inside the layer; on an sm90 GPU, gpu_grouped_gemm_tma.py runs them compiled."""
+walk with and without row grouping; the operands they refuse; the bf16 layer on them; the path choice. On an sm90
+GPU, gpu_grouped_gemm_tma.py runs them compiled."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moe_launch.kernels import swiglu_gemm as sg
 from moe_launch.kernels.grouped_gemm import grouped_mm_reference
 from moe_launch.kernels.grouped_gemm_tma import Tiles
 from moe_launch.kernels.moe import fast_experts
-from moe_launch.kernels.swiglu import swiglu_bwd_reference, swiglu_fwd_triton
+from moe_launch.kernels.swiglu import swiglu_fwd_triton
 
 TILES = [Tiles(16, 16, 16, 4, 2), Tiles(32, 16, 16, 4, 2, group_m=3)]
 
@@ -60,22 +60,6 @@ def test_swiglu_up_is_both_projections_and_swiglu(tiles, kmajor):
     assert torch.equal(h[:R], swiglu_fwd_triton(g, u, torch.tensor([R], dtype=torch.int32))[:R])
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t.BM}x{t.BN}x{t.BK}g{t.group_m}")
-@pytest.mark.parametrize("kmajor", [True, False], ids=["b K-major", "b M-major"])
-def test_down_swiglu_bwd_is_the_gemm_then_swiglus_backward(tiles, kmajor):
-    gen = torch.Generator().manual_seed(hash((tiles, kmajor, "bwd")) % 2**31)
-    counts_E, offsets_E1, R, pad = _routed(gen)
-    D, F = 40, 48
-    dy = _rows(gen, R, pad, D)
-    b = _weights(gen, 6, D, F, kmajor)
-    gu = torch.randn(R + pad, 2 * F, generator=gen).bfloat16()  # g and u as the halves of one buffer: strided views
-    g, u = gu[:, :F], gu[:, F:]
-    dg, du, h = sg.down_swiglu_bwd(dy, b, g, u, counts_E, offsets_E1, tiles=tiles)
-    dh = _mm(dy, b, counts_E, offsets_E1, R).bfloat16()
-    for got, ref in zip((dg, du, h), swiglu_bwd_reference(g[:R], u[:R], dh, R)):
-        assert rel_err(got[:R], ref) < 2e-2  # dh rounded to bf16 at a different fp32 sum order
-
-
 @pytest.mark.parametrize("kmajor", [True, False], ids=["b K-major", "b M-major"])
 def test_dual_mm_is_the_sum_of_both_products(kmajor):
     gen = torch.Generator().manual_seed(17 + kmajor)
@@ -103,7 +87,7 @@ def test_operands_it_cannot_fuse_are_refused():
 
 
 def test_the_bf16_layer_on_the_fused_kernels_matches_the_unfused_one(monkeypatch):
-    calls = {name: 0 for name in ("swiglu_up", "down_swiglu_bwd", "dual_mm")}
+    calls = {name: 0 for name in ("swiglu_up", "dual_mm")}
     for name in calls:
         fn = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _fn=fn, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1)
@@ -122,6 +106,22 @@ def test_the_bf16_layer_on_the_fused_kernels_matches_the_unfused_one(monkeypatch
         y = fast_experts(x, idx, w, *ws, gemm_impl=impl)
         y.backward(dy)
         outs.append([y.detach()] + [t.grad for t in (x, w, *ws)])
-    assert calls == {"swiglu_up": 1, "down_swiglu_bwd": 1, "dual_mm": 1}  # the tma run took every fused kernel
+    assert calls == {"swiglu_up": 1, "dual_mm": 1}  # the tma run took both fused kernels
     for got, ref in zip(*outs):
         assert rel_err(got, ref) < 1e-2  # bf16 roundings at different points (dx rounded once, not twice)
+
+
+def test_the_path_choice():
+    """Fused where both kernels won (512 rows per expert or more, dims up to 2880); unfused with Mixtral's large
+    experts, with fewer rows than measured, for fp32, and for any gemm_impl but auto and tma."""
+    olmoe_16k, olmoe_4k = 16384 * 8, 4096 * 8
+    assert sg.choose(olmoe_16k, 2048, 1024, 64) and sg.choose(olmoe_4k, 2048, 1024, 64)
+    assert sg.choose(16384 * 4, 2880, 2880, 32)  # gpt-oss-20b
+    assert not sg.choose(8192 * 2, 4096, 14336, 8)  # Mixtral-8x7B-like
+    assert not sg.choose(1024 * 8, 2048, 1024, 64)  # 128 rows per expert
+    x = torch.randn(64, 32).bfloat16()
+    w = torch.randn(4, 16, 32).bfloat16()
+    assert sg.fused_path("tma", x, w, w)  # the CPU under the interpreter: where asked
+    assert not sg.fused_path("auto", x, w, w)  # no CUTLASS path to compare with
+    assert not sg.fused_path("torch", x, w, w) and not sg.fused_path("triton", x, w, w)
+    assert not sg.fused_path("tma", x.float(), w.float(), w.float())
