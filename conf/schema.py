@@ -63,7 +63,7 @@ class MoEConfig:
     cuda_graph: bool = False
     # the kernels' grouped GEMMs over rows (forward and activation gradients, bf16 and FP8): auto (per GEMM shape, our
     # persistent TMA kernel where it ran faster, 512-1024 rows per expert, else torch's CUTLASS one;
-    # kernels/grouped_gemm_tma.py choose; in bf16 from 512 rows per expert with dims up to 2880 also gate+up with
+    # kernels/grouped_gemm_tma.py choose; in bf16 from 512 rows per expert with dims up to 2048 also gate+up with
     # SwiGLU as one GEMM and dx as one, kernels/swiglu_gemm.py choose) | torch (always CUTLASS, unfused) | tma (always
     # ours, fused in bf16). sm90; elsewhere our Triton one
     grouped_gemm: str = "auto"

@@ -124,12 +124,13 @@ def fusable(a_NK: torch.Tensor, *bs_EKM: torch.Tensor) -> bool:
             and all(usable(a_NK, b) and b.stride() == bs_EKM[0].stride() for b in bs_EKM))
 
 
-# Where both fused kernels ran faster than the stages they replace on torch's CUTLASS GEMMs
-# (benchmarks/swiglu_gemm_tiles.py, RESULTS.md): 512 rows per expert on average or more, with the model dim and the
-# expert hidden size up to gpt-oss-20b's 2880. With Mixtral's few large experts (4096 x 14336) the fused gate+up
-# only equalled CUTLASS and dual_mm was slower. Fewer rows per expert were not measured.
+# Where the layer ran faster on the fused kernels than on the stages they replace with torch's CUTLASS GEMMs
+# (benchmarks/swiglu_gemm_tiles.py and benchmarks/moe_shapes.py, RESULTS.md): 512 rows per expert on average or
+# more, with the model dim and the expert hidden size up to 2048. At gpt-oss-20b's 2880 the fused gate+up won but
+# dual_mm lost and the layer was 2% slower; with Mixtral's few large experts (4096 x 14336) the fused gate+up only
+# equalled CUTLASS and dual_mm was slower. Fewer rows per expert were not measured.
 MIN_ROWS_PER_EXPERT = 512
-MAX_DIM = 2880
+MAX_DIM = 2048
 
 
 def choose(N: int, D: int, F: int, E: int) -> bool:

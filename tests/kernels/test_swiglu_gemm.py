@@ -112,11 +112,12 @@ def test_the_bf16_layer_on_the_fused_kernels_matches_the_unfused_one(monkeypatch
 
 
 def test_the_path_choice():
-    """Fused where both kernels won (512 rows per expert or more, dims up to 2880); unfused with Mixtral's large
-    experts, with fewer rows than measured, for fp32, and for any gemm_impl but auto and tma."""
+    """Fused where the layer won (512 rows per expert or more, dims up to 2048); unfused at gpt-oss-20b's and
+    Mixtral's dims, with fewer rows than measured, for fp32, and for any gemm_impl but auto and tma."""
     olmoe_16k, olmoe_4k = 16384 * 8, 4096 * 8
     assert sg.choose(olmoe_16k, 2048, 1024, 64) and sg.choose(olmoe_4k, 2048, 1024, 64)
-    assert sg.choose(16384 * 4, 2880, 2880, 32)  # gpt-oss-20b
+    assert sg.choose(16384 * 6, 2048, 1408, 64)  # DeepSeek-V2-Lite
+    assert not sg.choose(16384 * 4, 2880, 2880, 32)  # gpt-oss-20b
     assert not sg.choose(8192 * 2, 4096, 14336, 8)  # Mixtral-8x7B-like
     assert not sg.choose(1024 * 8, 2048, 1024, 64)  # 128 rows per expert
     x = torch.randn(64, 32).bfloat16()
