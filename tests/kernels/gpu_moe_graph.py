@@ -28,9 +28,10 @@ def _inputs(seed: int):
     return x, w_TK.requires_grad_(), idx_TK, torch.randn(T, D, generator=g).cuda().bfloat16()
 
 
-def _run(ws, seed, graphs=None, fuse=False, e_start=0):
+def _run(ws, seed, graphs=None, fuse=False, e_start=0, gemm_impl="auto"):
     x, w_TK, idx_TK, dy = _inputs(seed)
-    y = fast_experts(x, idx_TK, w_TK, *ws, e_start=e_start, fuse_grad_accumulation=fuse, graphs=graphs)
+    y = fast_experts(x, idx_TK, w_TK, *ws, e_start=e_start, fuse_grad_accumulation=fuse, graphs=graphs,
+                     gemm_impl=gemm_impl)
     y.backward(dy)
     return [y.detach(), x.grad, w_TK.grad]
 
@@ -66,6 +67,22 @@ def grads_into_buffers_and_a_local_expert_range():
         _same([w.grad for w in ws_graph], [w.grad for w in ws_eager], f"into-buffer call {call} buffers")
     assert all(w.grad is b for w, b in zip(ws_graph, bufs)) and len(graphs.graphs) == 1
     print("ok: gradients added into .grad buffers inside the replayed backward, experts 8..15, bit-identical")
+
+
+def our_tma_kernels_replay_bit_for_bit():
+    """gemm_impl="tma": the fused SwiGLU GEMMs and the persistent TMA GEMM make their TMA descriptors on the device,
+    in scratch from torch's allocator: captured, that scratch comes from the graph's pool."""
+    ws_eager, ws_graph = _weights(2), _weights(2)
+    for w in (*ws_eager, *ws_graph):
+        w.grad = torch.zeros_like(w)
+    graphs = ExpertGraphs()
+    for call in range(4):
+        want = _run(ws_eager, seed=20 + call, fuse=True, gemm_impl="tma")
+        got = _run(ws_graph, seed=20 + call, graphs=graphs, fuse=True, gemm_impl="tma")
+        _same(got, want, f"tma call {call}")
+        _same([w.grad for w in ws_graph], [w.grad for w in ws_eager], f"tma call {call} buffers")
+    assert len(graphs.graphs) == 1
+    print("ok: the fused SwiGLU GEMMs and our TMA GEMM replayed from graphs, bit-identical to eager")
 
 
 def forwards_in_flight_take_a_graph_each():
@@ -187,6 +204,7 @@ def signature_cap():
 if __name__ == "__main__":
     calls_replay_bit_for_bit()
     grads_into_buffers_and_a_local_expert_range()
+    our_tma_kernels_replay_bit_for_bit()
     forwards_in_flight_take_a_graph_each()
     no_grad_and_retain_graph()
     under_activation_checkpointing()
