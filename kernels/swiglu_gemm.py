@@ -157,14 +157,13 @@ def fused_path(impl: str, x_ND: torch.Tensor, w_gate_EFD: torch.Tensor, w_up_EFD
     return cap == (9, 0) and torch_path_ok(x_ND, w_gate_EFD, w_up_EFD) and choose(x_ND.shape[0], D, F, E)
 
 
-def _launch(kernel, a_NK, b_EKM, M: int, counts_E, offsets_E1, t: Tiles, ptrs: tuple, strides: tuple,
-            s_cn: int) -> None:
+def _launch(kernel, a_NK, b_EKM, M: int, counts_E, offsets_E1, t: Tiles, ptrs: tuple, s_cn: int) -> None:
     N, K = a_NK.shape
     E = b_EKM.shape[0]
     programs = min(programs_for(a_NK.device), (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN))
     tma_allocator()
     launch(kernel, (programs,), *ptrs, offsets_E1, counts_E, N, E, M, K, a_NK.stride(0), b_EKM.stride(0),
-           b_EKM.stride(1), b_EKM.stride(2), *strides, s_cn, programs, BM=t.BM, BN=t.BN, BK=t.BK,
+           b_EKM.stride(1), b_EKM.stride(2), s_cn, programs, BM=t.BM, BN=t.BN, BK=t.BK,
            E_PAD=next_pow2(E), B_KMAJOR=b_kmajor(b_EKM), GROUP_M=t.group_m, FLATTEN=t.flatten,
            UPCAST=not a_NK.is_cuda, num_warps=t.num_warps, num_stages=t.num_stages)
 
@@ -184,7 +183,7 @@ def swiglu_up(x_ND: torch.Tensor, bg_EDF: torch.Tensor, bu_EDF: torch.Tensor, co
     g_NF, u_NF, h_NF = (torch.empty(N, F, dtype=x_ND.dtype, device=x_ND.device) for _ in range(3))
     if N and bg_EDF.shape[0]:
         _launch(_swiglu_up_kernel, x_ND, bg_EDF, F, counts_E, offsets_E1, _tiles(tiles, "up", x_ND.device),
-                (x_ND, bg_EDF, bu_EDF, g_NF, u_NF, h_NF), (), g_NF.stride(0))
+                (x_ND, bg_EDF, bu_EDF, g_NF, u_NF, h_NF), g_NF.stride(0))
     return g_NF, u_NF, h_NF
 
 
@@ -198,5 +197,5 @@ def dual_mm(a1_NK: torch.Tensor, b1_EKM: torch.Tensor, a2_NK: torch.Tensor, b2_E
     c_NM = torch.empty(N, M, dtype=a1_NK.dtype, device=a1_NK.device)
     if N and b1_EKM.shape[0]:
         _launch(_dual_mm_kernel, a1_NK, b1_EKM, M, counts_E, offsets_E1, _tiles(tiles, "dual", a1_NK.device),
-                (a1_NK, a2_NK, b1_EKM, b2_EKM, c_NM), (), c_NM.stride(0))
+                (a1_NK, a2_NK, b1_EKM, b2_EKM, c_NM), c_NM.stride(0))
     return c_NM
