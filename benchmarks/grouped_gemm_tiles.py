@@ -25,7 +25,7 @@ from moe_launch.kernels import fp8
 from moe_launch.kernels.grouped_gemm_tma import Tiles, grouped_mm_persistent
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_layer import SPEC_TFLOPS  # noqa: E402
+from moe_layer import SPEC_TFLOPS, file_log  # noqa: E402
 
 BF16_TILES = [Tiles(128, 256, 64, 8, 3), Tiles(128, 256, 64, 8, 3, group_m=8), Tiles(128, 256, 64, 8, 4, group_m=8),
               Tiles(256, 128, 64, 8, 3, group_m=8), Tiles(128, 256, 64, 8, 3, flatten=True),
@@ -94,15 +94,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rep-ms", type=int, default=100)
     args = ap.parse_args()
-    log_path = os.path.join(args.out, "grouped_gemm_tiles.log")
+    log = file_log(args.out, "grouped_gemm_tiles.log")
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "triton": triton.__version__, "gpu": torch.cuda.get_device_name()}
     rows = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with open(log_path, "a") as f:
-            f.write(msg + "\n")
 
     log(json.dumps(env))
     torch.manual_seed(0)

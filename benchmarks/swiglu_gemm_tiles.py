@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -23,6 +24,9 @@ from moe_launch.kernels import swiglu_gemm as sg
 from moe_launch.kernels.grouped_gemm_tma import Tiles
 from moe_launch.kernels.reduce import combine
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_fwd
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import file_log  # noqa: E402
 
 UP_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 128, 64, 8, 4, group_m=8)]
 DUAL_TILES = [Tiles(128, 128, 64, 8, 3, group_m=8), Tiles(128, 256, 32, 8, 3, group_m=8),
@@ -105,14 +109,9 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=int, default=100)
     ap.add_argument("--only", default="", help="comma-separated substrings of the shape names")
     args = ap.parse_args()
-    log_path = os.path.join(args.out, "swiglu_gemm_tiles.log")
+    log = file_log(args.out, "swiglu_gemm_tiles.log")
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "triton": triton.__version__, "gpu": torch.cuda.get_device_name()}
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        with open(log_path, "a") as f:
-            f.write(msg + "\n")
 
     log(json.dumps(env))
     torch.manual_seed(0)
