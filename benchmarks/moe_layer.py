@@ -191,16 +191,15 @@ def kernel_checks(device, log):
         gg, uu = torch.randn(2, xr.shape[0], Fh, generator=g).to(device, dt)
         out[f"swiglu_fwd_{dt}"] = rel(swiglu.swiglu_fwd(gg, uu, a.num_rows)[:R],
                                       swiglu.swiglu_fwd_reference(gg, uu, a.num_rows)[:R]) <= tol
-        dgs = swiglu.swiglu_bwd(gg, uu, gg, a.num_rows)
-        rgs = swiglu.swiglu_bwd_reference(gg, uu, gg, a.num_rows)
-        out[f"swiglu_bwd_{dt}"] = all(rel(p[:R], q[:R]) <= tol for p, q in zip(dgs, rgs))
         wtk = torch.rand(T, K, generator=g).to(device, dt)
+        routing = (wtk, a.row_pair_N)
+        dgs = swiglu.swiglu_bwd(gg, uu, gg, a.num_rows, routing=routing)
+        rgs = swiglu.swiglu_bwd_reference(gg, uu, gg, a.num_rows, routing=routing)
+        out[f"swiglu_bwd_{dt}"] = (all(rel(p[:R], q[:R]) <= tol for p, q in zip(dgs[:3], rgs[:3]))
+                                   and rel(dgs[3], rgs[3]) <= tol)
         out[f"combine_fwd_{dt}"] = rel(reduce.combine(xr, a.pair_row_TK, wtk),
                                        reduce.combine_reference(xr, a.pair_row_TK, wtk)) <= tol
         dy = torch.randn(T, D, generator=g).to(device, dt)
-        p1 = reduce.combine_bwd(dy, xr, a.pair_row_TK, wtk)
-        p2 = reduce.combine_bwd_reference(dy, xr, a.pair_row_TK, wtk)
-        out[f"combine_bwd_{dt}"] = rel(p1[0][:R], p2[0][:R]) <= tol and rel(p1[1], p2[1]) <= tol
         # whole layer with both GEMM paths, sub-range of experts and zero-token experts
         for impl in ("triton", "torch") if dt == torch.bfloat16 else ("triton",):
             try:
@@ -252,7 +251,7 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     h_NF = swiglu.swiglu_fwd(g_NF, u_NF, plan.num_rows)
     y_ND = grouped_gemm.grouped_mm(h_NF, wd.transpose(1, 2), plan)
     dy_TD = torch.randn_like(x_TD)
-    dy_ND, _ = reduce.combine_bwd(dy_TD, y_ND, plan.pair_row_TK, w_TK)
+    dy_ND = gather.gather_rows(dy_TD, plan.row_token_N, plan.num_rows)
     wgu = torch.cat([wg, wu], dim=1)
     gu_N2F = torch.cat([g_NF, u_NF], dim=1)
     stages = {
@@ -264,9 +263,10 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
         "fwd swiglu": lambda: swiglu.swiglu_fwd(g_NF, u_NF, plan.num_rows),
         "fwd gmm down": lambda: grouped_gemm.grouped_mm(h_NF, wd.transpose(1, 2), plan),
         "fwd combine": lambda: reduce.combine(y_ND, plan.pair_row_TK, w_TK),
-        "bwd combine (dy_rows, dw)": lambda: reduce.combine_bwd(dy_TD, y_ND, plan.pair_row_TK, w_TK),
+        "bwd gather dy rows": lambda: gather.gather_rows(dy_TD, plan.row_token_N, plan.num_rows),
         "bwd gmm dh": lambda: grouped_gemm.grouped_mm(dy_ND, wd, plan),
-        "bwd swiglu": lambda: swiglu.swiglu_bwd(g_NF, u_NF, h_NF, plan.num_rows),
+        "bwd swiglu (dg, du, w*h, dw)": lambda: swiglu.swiglu_bwd(g_NF, u_NF, h_NF, plan.num_rows,
+                                                                  routing=(w_TK, plan.row_pair_N)),
         "bwd wgrad down": lambda: grouped_gemm.grouped_mm_wgrad(dy_ND, h_NF, plan),
         "bwd wgrad gate": lambda: grouped_gemm.grouped_mm_wgrad(g_NF, x_ND, plan),
         "bwd wgrad up": lambda: grouped_gemm.grouped_mm_wgrad(u_NF, x_ND, plan),

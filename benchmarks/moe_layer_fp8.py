@@ -98,7 +98,6 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     stages = {
         "fp8 quantize x_TD (T rows)": lambda: fp8.quantize_rows(x_TD),
         "fp8 gathered rows x_ND (quantize + gather + scales)": lambda: mm.gathered_rows(x_TD),
-        "fp8 gathered rows dy_ND (with w_TK)": lambda: mm.gathered_rows(x_TD, w_TK),
         "fp8 quantize w_gate, fwd channels (rows)": lambda: fp8.quantize_operand(wg.transpose(1, 2)),
         "fp8 quantize w_gate, dgrad channels (strided)": lambda: fp8.quantize_operand(wg),
         "fp8 quantize w_down, dgrad channels (strided)": lambda: fp8.quantize_operand(wd),

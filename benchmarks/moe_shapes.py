@@ -11,7 +11,8 @@ trainer's model.moe.grad_accumulation_fusion) eager and replayed from CUDA graph
 kernels/moe_graph.py), and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
 --only picks shapes by name; --set models runs published models' expert shapes instead (model_shapes()).
 Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
-then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms).
+then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms). On CUDA each row also gives the peak
+memory one call holds above the inputs, weights and gradient buffers.
 FLOPs counted: 3 matmuls x 2*D*F per routed (token, expert) pair x 3 (fwd + bwd), whatever the routing's balance.
 MFU is given against the spec peak of the row's precision and beside the dense rate measured in this run (bf16: an
 8192^3 matmul; FP8: an 8192^3 row-scaled torch._scaled_mm); FP8 rows against the mix they run (moe_layer.py
@@ -199,6 +200,13 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
 
         try:
             with reuse_weights() if name == OURS_FP8_REUSED else contextlib.nullcontext():
+                if device.type == "cuda":  # what one call holds above the inputs, weights and .grad buffers
+                    step()
+                    torch.cuda.synchronize()
+                    held = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    step()
+                    row["peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
                 row["ms"] = bench(step, device, rep_ms=rep_ms)
             row["tflops"] = res["flops"] / row["ms"] / 1e9
             log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
@@ -250,11 +258,12 @@ def table(results: dict, dense: dict) -> list[str]:
     lines = [f"dense rates measured in this run: bf16 {dense['bf16']:.0f}, FP8 {dense['fp8']:.0f} TFLOP/s; spec "
              f"(H200 SXM): bf16 {SPEC_TFLOPS['bf16']:.0f}, FP8 {SPEC_TFLOPS['fp8']:.0f}",
              "| shape | T, D, F, E, top-k | load max/mean | impl | fwd+bwd ms (median) | expert TFLOP/s | MFU vs spec "
-             "| % of measured dense | speed-up vs naive bf16 (same grad handling) | max rel err vs naive (y / grads) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| % of measured dense | speed-up vs naive bf16 (same grad handling) | max rel err vs naive (y / grads) "
+             "| peak MiB above the inputs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         if "error" in res:
-            lines.append(f"| {name} | | | | ERROR {res['error']} | | | | | |")
+            lines.append(f"| {name} | | | | ERROR {res['error']} | | | | | | |")
             continue
         d, load = res["dims"], res["load"]
         dims = f"{d['T']}, {d['D']}, {d['F']}, {d['E']}, {d['K']}"
@@ -263,7 +272,7 @@ def table(results: dict, dense: dict) -> list[str]:
         for impl, row in res["rows"].items():
             head = f"| {name} | {dims} | {skew} | {impl} |"
             if "error" in row:
-                lines.append(f"{head} ERROR {row['error']} | | | | | |")
+                lines.append(f"{head} ERROR {row['error']} | | | | | | |")
                 continue
             if impl in (OURS_FP8, OURS_FP8_REUSED):  # against the mix of precisions the FP8 layer runs
                 spec = fp8_layer_rate(SPEC_TFLOPS["fp8"], SPEC_TFLOPS["bf16"])
@@ -277,7 +286,7 @@ def table(results: dict, dense: dict) -> list[str]:
                                                     + ("" if row["ok"] else " ABOVE TOL"))
             lines.append(f"{head} {row['ms']:.3f} | {row['tflops']:.0f} | {100 * row['mfu_spec']:.0f}% of {spec:.0f} "
                          f"| {100 * row['of_measured_dense']:.0f}% of {measured:.0f} | {row['speedup']:.2f}x "
-                         f"| {err} |")
+                         f"| {err} | {row.get('peak_mib', float('nan')):.0f} |")
     return lines
 
 

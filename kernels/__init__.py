@@ -7,9 +7,9 @@ Entry points (each stage file holds the Triton path, a plain-torch reference, an
   index_gen.route_indices(idx_TK, e_start, e_end) -> RoutePlan     stages 1+2 (token_count.py, index_gen.py)
   gather.gather_rows(x_TD, plan.row_token_N, plan.num_rows) -> x_ND
   grouped_gemm.grouped_mm(a_NK, b_EKM, plan) / grouped_mm_wgrad(a_NM, b_NK, plan)
-  swiglu.swiglu_fwd / swiglu_bwd
+  swiglu.swiglu_fwd / swiglu_bwd(..., routing=(w_TK, plan.row_pair_N))   the latter also the routing weights' grad
   fp8.quantize_rows / scaled_grouped_mm       e4m3 with per-row / per-channel scales, torch._scaled_grouped_mm
-  reduce.combine(rows_ND, plan.pair_row_TK, w_TK) -> y_TD / combine_bwd(dy_TD, rows_ND, pair_row_TK, w_TK)
+  reduce.combine(rows_ND, plan.pair_row_TK, w_TK) -> y_TD
   cross_entropy.softmax_xent_(logits_CV, y_C, ignore_index, write_grad) -> loss_C
       the output head's per-chunk softmax, loss and logit gradient (trainer/model/loss.py, model.cross_entropy_fusion)
 An expert-parallel dispatcher can run route_indices on the tokens it received (all-gathered or all-to-all'd) with

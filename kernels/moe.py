@@ -10,10 +10,13 @@ Forward (Optimus Algorithm 1, stages 2-5; stage 1, communication, belongs to the
   g_NF = x_ND @ w_gate^T, u_NF = x_ND @ w_up^T         grouped GEMMs
   h_NF = silu(g) * u;  y_ND = h_NF @ w_down^T          fused SwiGLU, grouped GEMM
   y_TD = sum_k w_TK * y_ND[pair_row_TK]                output reduction
-Saved for backward: x_ND, g_NF, u_NF, y_ND (h is recomputed inside the SwiGLU backward kernel); with FP8 x_TD in
-place of x_ND, which then only feeds the weight gradients and is gathered in the backward (T rows kept, not T*K).
-Backward: reduction bwd (dy_ND, dw_TK) -> dh = dy_ND @ w_down -> SwiGLU bwd (dg, du, h) -> weight grads via
-grouped_mm_wgrad -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one reduction pass (no atomics).
+Saved for backward: x_ND, g_NF, u_NF (h is recomputed inside the SwiGLU backward kernel, y_ND is not kept); with
+FP8 x_TD in place of x_ND, which then only feeds the weight gradients and is gathered in the backward (T rows kept,
+not T*K).
+Backward: dy_ND = gather(dy_TD) (rows before their routing weight) -> dh' = dy_ND @ w_down -> SwiGLU bwd with w:
+dg, du of w*dh', w*h, and dw_TK = <h, dh'> (= <y_ND row, dy>, so y_ND need not be saved) -> weight grads via
+grouped_mm_wgrad (w_down's from dy_ND and w*h) -> dx_ND = dg @ w_gate and du @ w_up, summed per token by one
+reduction pass (no atomics).
 Rows >= R of every buffer are unspecified and never read. No host sync anywhere on this path.
 bf16 on Hopper where kernels/swiglu_gemm.py fused_path says so: gate and up as one pass over x_ND with SwiGLU in its
 epilogue (g, u, h written), and dx as dg @ w_gate + du @ w_up in one accumulator (one row set to combine); the other
@@ -25,13 +28,13 @@ output: torch._scaled_grouped_mm, or per shape our TMA kernel (kernels/grouped_g
 per row, weights per output channel; the weights' operands come from kernels/fp8_weights.py, quantized in every call
 or once per reuse_weights() scope (master weights and optimizer untouched). Activations are quantized at token
 granularity where the rows are copies of a token: x_TD and dy_TD are quantized (T rows, not T*K) and their e4m3 rows
-gathered like x_ND; the rows of dy_ND are w[t,k] * dy[t], so their scale is w[t,k] times the token's scale. h and
+gathered like x_ND (dy's rows carry no routing weight: the SwiGLU backward applies it). h and
 the rows of [dg du] (one scale per row over both) are quantized by the SwiGLU kernels themselves (kernels/swiglu.py;
 h is then never written in bf16). The three weight-gradient GEMMs stay bf16: torch's FP8 2d x 2d grouped GEMM takes
 K = tokens, which needs every expert's row group 16-aligned (padding the plan) and each of dy, h, dg, du, x
 quantized again per expert column, a cost about equal to what FP8 would save there (benchmarks/RESULTS.md, "FP8
 experts"). Saved for backward as in the bf16 path (g and u as the two halves of the gate-up GEMM's output) but x_TD
-for x_ND; outputs come back in bf16, gradients in their inputs' dtypes.
+for x_ND, so no [T*K, D] buffer is kept; outputs come back in bf16, gradients in their inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from moe_launch.kernels.fp8_weights import ExpertOperands, Operand
 from moe_launch.kernels.gather import gather_rows
 from moe_launch.kernels.grouped_gemm import grouped_mm, grouped_mm_wgrad, grouped_mm_wgrad_add_
 from moe_launch.kernels.index_gen import RoutePlan, route_indices
-from moe_launch.kernels.reduce import combine, combine_bwd
+from moe_launch.kernels.reduce import combine
 from moe_launch.kernels.swiglu import swiglu_bwd, swiglu_bwd_fp8, swiglu_fwd, swiglu_fwd_fp8
 from moe_launch.kernels.swiglu_gemm import dual_mm, fused_path, swiglu_up
 
@@ -60,8 +63,8 @@ PRECISIONS = ("bf16", "fp8")
 
 @dataclass
 class ExpertsSaved:
-    """What the backward of one expert-stage call needs: its saved tensors (x_ND, or x_TD with FP8; g_NF, u_NF, y_ND,
-    w_TK; the bf16 weights, or none with FP8, whose operands hold them) and the plan and operands they go with."""
+    """What the backward of one expert-stage call needs: its saved tensors (x_ND, or x_TD with FP8; g_NF, u_NF, w_TK;
+    the bf16 weights, or none with FP8, whose operands hold them) and the plan and operands they go with."""
     tensors: tuple[torch.Tensor, ...]
     plan: RoutePlan
     gemm_impl: str
@@ -71,7 +74,7 @@ class ExpertsSaved:
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ops = self.ops
-        return (ops.w_gate_EFD, ops.w_up_EFD, ops.w_down_EDF) if ops is not None else self.tensors[5:8]
+        return (ops.w_gate_EFD, ops.w_up_EFD, ops.w_down_EDF) if ops is not None else self.tensors[4:7]
 
 
 def experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_start: int, gemm_impl: str,
@@ -87,7 +90,7 @@ def experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_star
         gu_N2F = mm(*mm.gathered_rows(x_TD), ops.gate_up())  # one GEMM for both projections
         g_NF, u_NF = gu_N2F[:, :Fh], gu_N2F[:, Fh:]
         hq_ND, hs_N = swiglu_fwd_fp8(g_NF, u_NF, plan.num_rows, capacity=mm.presented(Fh, x_TD.shape[1]))
-        y_ND = mm(hq_ND, hs_N, ops.down())  # h itself is never written
+        y_ND = mm(hq_ND, hs_N, ops.down(), saved=False)  # h itself is never written
         x_saved = x_TD  # the bf16 rows only feed the weight gradients: gathered in the backward
     else:
         x_ND = x_saved = gather_rows(x_TD, plan.row_token_N, plan.num_rows)
@@ -102,7 +105,7 @@ def experts_forward(x_TD, w_TK, w_gate_EFD, w_up_EFD, w_down_EDF, idx_TK, e_star
         y_ND = grouped_mm(h_NF, w_down_EDF.transpose(1, 2), plan, gemm_impl)
     y_TD = combine(y_ND, plan.pair_row_TK, w_TK, out_dtype=x_TD.dtype)
     weights = () if ops is not None else (w_gate_EFD, w_up_EFD, w_down_EDF)  # fp8: the operands hold them
-    return y_TD, ExpertsSaved((x_saved, g_NF, u_NF, y_ND, w_TK, *weights), plan, gemm_impl, x_TD.dtype, ops,
+    return y_TD, ExpertsSaved((x_saved, g_NF, u_NF, w_TK, *weights), plan, gemm_impl, x_TD.dtype, ops,
                               fused=fused)
 
 
@@ -111,24 +114,29 @@ def experts_backward(saved: ExpertsSaved, dy_TD: torch.Tensor, need: tuple[bool,
     """The expert stage's backward outside autograd -> (dx_TD, dw_TK, dw_gate, dw_up, dw_down), None where `need`
     (needs_input_grad of (x, w_TK, w_gate, w_up, w_down)) is false or the gradient went into `into` (each weight's
     gradient buffer, or None to return it)."""
-    x_saved, g_NF, u_NF, y_ND, w_TK = saved.tensors[:5]
+    x_saved, g_NF, u_NF, w_TK = saved.tensors[:4]
     plan, impl, ops = saved.plan, saved.gemm_impl, saved.ops
     fp8_mm = _Fp8Gemms(plan, impl) if ops is not None else None
     w_gate_EFD, w_up_EFD, w_down_EDF = w_EMK = saved.weights()
-    dy_ND, dw_TK = combine_bwd(dy_TD.to(y_ND.dtype), y_ND, plan.pair_row_TK, w_TK)
+    dy_TD = dy_TD.to(g_NF.dtype).contiguous()
+    # the rows' gradient before their routing weight: the SwiGLU backward applies w and takes w's gradient from h
+    dy_ND = None
+    if fp8_mm is None or need[4]:
+        dy_ND = gather_rows(dy_TD, plan.row_token_N, plan.num_rows)
     if fp8_mm is not None:
         rows = fp8_mm.presented(dy_TD.shape[1], g_NF.shape[1])
-        dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD.contiguous(), w_TK, rows), ops.down_t(), saved=False)
+        dh_NF = fp8_mm(*fp8_mm.gathered_rows(dy_TD, rows), ops.down_t(), saved=False)
     else:
         dh_NF = grouped_mm(dy_ND, w_down_EDF, plan, impl)
     x_ND = x_saved
     if ops is not None and (need[2] or need[3]):  # fp8 saved x_TD: the rows the weight gradients take
         x_ND = gather_rows(x_saved, plan.row_token_N, plan.num_rows)
+    routing = (w_TK, plan.row_pair_N)
     if fp8_mm is not None and need[0]:  # with the e4m3 rows of [dg du] for the input gradient
-        dg_NF, du_NF, h_NF, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows)
+        dg_NF, du_NF, wh_NF, dw_TK, dguq_N2F, dgus_N = swiglu_bwd_fp8(g_NF, u_NF, dh_NF, plan.num_rows, routing)
     else:
-        dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows)
-    dw_down = weight_grad(dy_ND, h_NF, plan, impl, need[4], into[2])
+        dg_NF, du_NF, wh_NF, dw_TK = swiglu_bwd(g_NF, u_NF, dh_NF, plan.num_rows, routing=routing)
+    dw_down = weight_grad(dy_ND, wh_NF, plan, impl, need[4], into[2])  # sum_r dy[t(r)] (w_r h_r)^T
     dw_gate = weight_grad(dg_NF, x_ND, plan, impl, need[2], into[0])
     dw_up = weight_grad(du_NF, x_ND, plan, impl, need[3], into[1])
     dx_TD = None
@@ -219,16 +227,12 @@ class _Fp8Gemms:
             return 0
         return fp8.rows_to_present(self.plan.row_token_N.numel(), self.plan.ends_E.numel(), K, M)
 
-    def gathered_rows(self, v_TD: torch.Tensor, w_TK: torch.Tensor | None = None, capacity: int = 0):
-        """Rows r of the expert-sorted buffer hold w[t,k] * v[t] (w_TK None: v[t]): quantize the T tokens once and
-        gather their e4m3 rows; a row's scale is the token's scale times w[t,k] (exact: the codes do not change).
-        capacity: the e4m3 rows' buffer holds that many rows at least (presented)."""
+    def gathered_rows(self, v_TD: torch.Tensor, capacity: int = 0):
+        """Rows r of the expert-sorted buffer hold v[t(r)]: quantize the T tokens once and gather their e4m3 rows and
+        scales. capacity: the e4m3 rows' buffer holds that many rows at least (presented)."""
         p = self.plan
         q_TD, s_T = fp8.quantize_rows(v_TD)
-        tok_N = p.row_token_N.clamp(min=0)  # rows >= R: any valid index (never read)
-        s_N = s_T.index_select(0, tok_N)
-        if w_TK is not None:
-            s_N = s_N * w_TK.reshape(-1).float().index_select(0, p.row_pair_N.clamp(min=0))
+        s_N = s_T.index_select(0, p.row_token_N.clamp(min=0))  # rows >= R: any valid index (never read)
         return gather_rows(q_TD, p.row_token_N, p.num_rows, capacity=capacity), s_N
 
 

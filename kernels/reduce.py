@@ -1,14 +1,13 @@
-"""Stage 5 of FastSparseMoE: output reduction, forward and backward (Optimus Algorithm 1, lines 81-113).
+"""Stage 5 of FastSparseMoE: the output reduction (Optimus Algorithm 1, lines 81-113).
 
 Shapes: T tokens, K top-k, D model dim, N row capacity, pair_row_TK the output indices of RoutePlan (-1: the pair's
 expert is not local, it contributes nothing here).
 
-forward   y_TD[t] = sum_k w_TK[t,k] * rows_ND[pair_row_TK[t,k]]   (sum over local k, in k order, fp32 accumulator)
-backward  drows_ND[pair_row_TK[t,k]] = w_TK[t,k] * dy_TD[t]
-          dw_TK[t,k] = <rows_ND[pair_row_TK[t,k]], dy_TD[t]>       (0 for non-local pairs)
-Both kernels walk tokens, so each output element is written once: no atomics, deterministic. With no weights the
-forward is also the gather's backward (each token sums the gradients of its rows); `rows2_ND` adds a second buffer
-in the same pass (the input gradient of the gate and the up projection arrive as two buffers).
+  y_TD[t] = sum_k w_TK[t,k] * rows_ND[pair_row_TK[t,k]]   (sum over local k, in k order, fp32 accumulator)
+Its backward is a gather of dy (kernels/gather.py) with w applied, and dw_TK[t,k] = <rows_ND[row], dy_TD[t]>; the
+expert stage takes both inside its SwiGLU backward (kernels/swiglu.py), so the rows need not be kept. The kernel walks
+tokens, so each output element is written once: no atomics, deterministic. With no weights it is also the gather's
+backward (each token sums the gradients of its rows); `rows2_ND` adds a second buffer in the same pass (the input gradient of the gate and the up projection arrive as two buffers).
 """
 
 from __future__ import annotations
@@ -46,35 +45,6 @@ def _combine_fwd_kernel(
              mask=tok_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
-def _combine_bwd_kernel(
-    dy_ptr, rows_ptr, pair_row_ptr, w_ptr, drows_ptr, dw_ptr,  # dy [T, D]; rows, drows [N, D]; w, dw [T, K]
-    T, K, D, stride_dy, stride_rows, stride_drows,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr,
-):
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    tok_ok = toks < T
-    ks = tl.arange(0, K_PAD)
-    dw_acc = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        col_ok = cols < D
-        g = tl.load(dy_ptr + toks.to(tl.int64)[:, None] * stride_dy + cols[None, :],
-                    mask=tok_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        for k in range(K):
-            row = tl.load(pair_row_ptr + toks * K + k, mask=tok_ok, other=-1)
-            ok = row >= 0
-            r64 = row.to(tl.int64)[:, None]
-            m = ok[:, None] & col_ok[None, :]
-            wk = tl.load(w_ptr + toks * K + k, mask=ok, other=0.0).to(tl.float32)
-            y = tl.load(rows_ptr + r64 * stride_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            tl.store(drows_ptr + r64 * stride_drows + cols[None, :], (wk[:, None] * g).to(drows_ptr.dtype.element_ty),
-                     mask=m)
-            dw_acc += tl.where(ks[None, :] == k, tl.sum(y * g, axis=1)[:, None], 0.0)
-    tl.store(dw_ptr + toks[:, None] * K + ks[None, :], dw_acc.to(dw_ptr.dtype.element_ty),
-             mask=tok_ok[:, None] & (ks < K)[None, :])
-
-
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -97,24 +67,6 @@ def combine_triton(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=Non
     return out_TD
 
 
-def combine_bwd_triton(dy_TD, rows_ND, pair_row_TK, w_TK):
-    """-> (drows_ND, dw_TK). Rows of drows_ND no pair points to are left unwritten."""
-    T, K = pair_row_TK.shape
-    N, D = rows_ND.shape
-    drows_ND = torch.empty(N, D, dtype=rows_ND.dtype, device=rows_ND.device)
-    dw_TK = torch.empty(T, K, dtype=w_TK.dtype, device=w_TK.device)
-    if T == 0:
-        return drows_ND, dw_TK
-    dy_TD, pair_row_TK, w_TK = dy_TD.contiguous(), pair_row_TK.contiguous(), w_TK.contiguous()
-    rows_ND = _unit_stride(rows_ND)
-    BLOCK_D = min(next_pow2(D), 256 if rows_ND.is_cuda else 4096)
-    BLOCK_T = max(1, (2048 if rows_ND.is_cuda else 16384) // BLOCK_D)
-    launch(_combine_bwd_kernel, (triton.cdiv(T, BLOCK_T),), dy_TD, rows_ND, pair_row_TK, w_TK, drows_ND, dw_TK,
-           T, K, D, dy_TD.stride(0), rows_ND.stride(0), drows_ND.stride(0),
-           BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, K_PAD=next_pow2(K))
-    return drows_ND, dw_TK
-
-
 def combine_reference(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=None):
     T, K = pair_row_TK.shape
     ok_TK = pair_row_TK >= 0
@@ -125,20 +77,7 @@ def combine_reference(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=
     return (v_TKD * scale_TK[..., None]).sum(1).to(out_dtype or rows_ND.dtype)
 
 
-def combine_bwd_reference(dy_TD, rows_ND, pair_row_TK, w_TK):
-    ok_TK = pair_row_TK >= 0
-    rows = pair_row_TK.clamp(min=0).long()
-    drows_ND = torch.zeros_like(rows_ND)
-    w_ok = torch.where(ok_TK, w_TK.float(), 0.0)
-    drows_ND[rows[ok_TK]] = (w_ok[..., None] * dy_TD.float()[:, None, :])[ok_TK].to(rows_ND.dtype)
-    dw_TK = torch.where(ok_TK, (rows_ND.float()[rows] * dy_TD.float()[:, None, :]).sum(-1), 0.0)
-    return drows_ND, dw_TK.to(w_TK.dtype)
-
-
 def combine(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=None, impl: str = "triton"):
     fn = combine_triton if impl == "triton" else combine_reference
     return fn(rows_ND, pair_row_TK, w_TK, rows2_ND, out_dtype)
 
-
-def combine_bwd(dy_TD, rows_ND, pair_row_TK, w_TK, impl: str = "triton"):
-    return (combine_bwd_triton if impl == "triton" else combine_bwd_reference)(dy_TD, rows_ND, pair_row_TK, w_TK)

@@ -1,7 +1,8 @@
 """SwiGLU between the grouped GEMMs: h = silu(g) * u, forward and backward, fused and row-bounded.
 
 Shapes: N row capacity, F expert hidden dim, R = plan.num_rows valid rows (device scalar; rows >= R are skipped).
-The backward also re-creates h (needed for the down projection's weight gradient) so h need not be saved.
+The backward also re-creates h (needed for the down projection's weight gradient) so h need not be saved, and with
+the routing weights (swiglu_bwd's `routing`) applies them and returns their gradient, so y_ND need not be saved.
 FP8 experts (kernels/moe.py): swiglu_fwd_fp8 hands the down GEMM h's e4m3 rows without writing h, swiglu_bwd_fp8
 adds the e4m3 rows of [dg du] for the input-gradient GEMM; both quantize inside the kernel when a row fits one tile
 (F <= 1024) and equal kernels.fp8.quantize_rows bit for bit.
@@ -55,32 +56,46 @@ def _swiglu_fwd_kernel(
 def _swiglu_bwd_kernel(
     g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, h_ptr, num_rows_ptr,
     q_ptr, s_ptr,  # QUANT: also [dg du] as e4m3 rows [N, 2F] (one scale per row over both) and the scales [N]
+    w_ptr, row_pair_ptr, dw_ptr,  # ROUTED: w [T*K], row_pair int32 [N], dw [T*K] (zeroed: non-local pairs stay 0)
     Fdim, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h, stride_q,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, ROUTED: tl.constexpr,
+    SOFT_ROUND: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     row_ok = rows < tl.load(num_rows_ptr)
-    mask = row_ok[:, None] & (cols < Fdim)[None, :]
     r64 = rows.to(tl.int64)[:, None]
-    g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = tl.sigmoid(g)
-    silu = g * s
-    dg = dh * u * s * (1.0 + g * (1.0 - s))
-    du = dh * silu
-    tl.store(dg_ptr + r64 * stride_dg + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + r64 * stride_du + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
-    tl.store(h_ptr + r64 * stride_h + cols[None, :], (silu * u).to(h_ptr.dtype.element_ty), mask=mask)
-    if QUANT:  # the whole row is in this tile (one column block): amax over dg and du together
-        dgr = dg.to(dg_ptr.dtype.element_ty).to(tl.float32)
-        dur = du.to(du_ptr.dtype.element_ty).to(tl.float32)
-        sc, inv_s = _scales(tl.maximum(tl.max(tl.abs(dgr), axis=1), tl.max(tl.abs(dur), axis=1)), True)
-        q_row = q_ptr + r64 * stride_q + cols[None, :]
-        tl.store(q_row, _encode(dgr, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
-        tl.store(q_row + Fdim, _encode(dur, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
-        tl.store(s_ptr + rows, sc, mask=row_ok)
+    if ROUTED:
+        pair = tl.load(row_pair_ptr + rows, mask=row_ok, other=0)
+        w = tl.load(w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    dw = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, Fdim, BLOCK_F):  # one block when QUANT: the row's amax is taken in registers
+        cols = c0 + tl.arange(0, BLOCK_F)
+        mask = row_ok[:, None] & (cols < Fdim)[None, :]
+        g = tl.load(g_ptr + r64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r64 * stride_u + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        silu = g * s
+        h = silu * u
+        if ROUTED:  # dh holds dy @ w_down of the unweighted rows: <h, dh> is the routing weight's gradient
+            dw += tl.sum(h * dh, axis=1)
+            dh = dh * w
+            h = h * w
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        du = dh * silu
+        tl.store(dg_ptr + r64 * stride_dg + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + r64 * stride_du + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + r64 * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+        if QUANT:  # amax over dg and du together
+            dgr = dg.to(dg_ptr.dtype.element_ty).to(tl.float32)
+            dur = du.to(du_ptr.dtype.element_ty).to(tl.float32)
+            sc, inv_s = _scales(tl.maximum(tl.max(tl.abs(dgr), axis=1), tl.max(tl.abs(dur), axis=1)), True)
+            q_row = q_ptr + r64 * stride_q + cols[None, :]
+            tl.store(q_row, _encode(dgr, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+            tl.store(q_row + Fdim, _encode(dur, inv_s, q_ptr.dtype.element_ty, SOFT_ROUND), mask=mask)
+            tl.store(s_ptr + rows, sc, mask=row_ok)
+    if ROUTED:
+        tl.store(dw_ptr + pair, dw.to(dw_ptr.dtype.element_ty), mask=row_ok)
 
 
 _MAX_BLOCK_F = 1024
@@ -106,19 +121,26 @@ def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Te
     return h_NF
 
 
-def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False):
-    """-> (dg_NF, du_NF, h_NF), and with quant (the whole row in one tile, see fuses_fp8) the e4m3 rows of
-    [dg du] and their scales; rows >= R unspecified."""
+def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=None):
+    """-> (dg_NF, du_NF, h_NF), with routing also dw_TK, and with quant (the whole row in one tile, see fuses_fp8)
+    the e4m3 rows of [dg du] and their scales; rows >= R unspecified. routing: see swiglu_bwd."""
     g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
     dg_NF, du_NF, h_NF = (torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device) for _ in range(3))
     q_N2F = torch.empty(N, 2 * Fdim, dtype=E4M3, device=g_NF.device) if quant else h_NF
     s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device) if quant else h_NF
+    w_P, row_pair_N, dw_P = h_NF, h_NF, h_NF  # unused without routing
+    if routing is not None:
+        w_TK, row_pair_N = routing
+        w_P = w_TK.contiguous().view(-1)
+        dw_P = torch.zeros_like(w_P)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    launch(_swiglu_bwd_kernel, grid, g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, Fdim,
-           g_NF.stride(0), u_NF.stride(0), dh_NF.stride(0), dg_NF.stride(0), du_NF.stride(0), h_NF.stride(0),
-           q_N2F.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant, SOFT_ROUND=not g_NF.is_cuda)
-    return (dg_NF, du_NF, h_NF, q_N2F, s_N) if quant else (dg_NF, du_NF, h_NF)
+    launch(_swiglu_bwd_kernel, grid[:1], g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, w_P,
+           row_pair_N, dw_P, Fdim, g_NF.stride(0), u_NF.stride(0), dh_NF.stride(0), dg_NF.stride(0),
+           du_NF.stride(0), h_NF.stride(0), q_N2F.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant,
+           ROUTED=routing is not None, SOFT_ROUND=not g_NF.is_cuda)
+    out = (dg_NF, du_NF, h_NF) if routing is None else (dg_NF, du_NF, h_NF, dw_P.view(routing[0].shape))
+    return (*out, q_N2F, s_N) if quant else out
 
 
 def fuses_fp8(Fdim: int) -> bool:
@@ -142,30 +164,46 @@ def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tenso
     return q_NF, s_N
 
 
-def swiglu_bwd_fp8(g_NF, u_NF, dh_NF, num_rows):
-    """-> (dg_NF, du_NF, h_NF, q_N2F, s_N): swiglu_bwd plus the e4m3 rows of [dg du] (one scale per row over both),
-    as kernels.fp8.quantize_rows(dg, tail=du) would, bit for bit: in the same kernel where the row fits one tile."""
+def swiglu_bwd_fp8(g_NF, u_NF, dh_NF, num_rows, routing=None):
+    """-> swiglu_bwd's tuple plus (q_N2F, s_N), the e4m3 rows of [dg du] (one scale per row over both), as
+    kernels.fp8.quantize_rows(dg, tail=du) would, bit for bit: in the same kernel where the row fits one tile."""
     if fuses_fp8(g_NF.shape[1]):
-        return swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant=True)
-    dg_NF, du_NF, h_NF = swiglu_bwd(g_NF, u_NF, dh_NF, num_rows)
-    return (dg_NF, du_NF, h_NF, *quantize_rows(dg_NF, num_rows, tail=du_NF))
+        return swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant=True, routing=routing)
+    grads = swiglu_bwd(g_NF, u_NF, dh_NF, num_rows, routing=routing)
+    return (*grads, *quantize_rows(grads[0], num_rows, tail=grads[1]))
 
 
 def swiglu_fwd_reference(g_NF, u_NF, num_rows):
     return (F.silu(g_NF.float()) * u_NF.float()).to(g_NF.dtype)
 
 
-def swiglu_bwd_reference(g_NF, u_NF, dh_NF, num_rows):
+def swiglu_bwd_reference(g_NF, u_NF, dh_NF, num_rows, routing=None):
     g = g_NF.detach().float().requires_grad_()
     u = u_NF.detach().float().requires_grad_()
     h = F.silu(g) * u
-    dg, du = torch.autograd.grad(h, (g, u), dh_NF.float())
-    return dg.to(g_NF.dtype), du.to(g_NF.dtype), h.detach().to(g_NF.dtype)
+    dh = dh_NF.float()
+    if routing is not None:
+        w_TK, row_pair_N = routing
+        valid = row_pair_N >= 0
+        w_N = torch.where(valid, w_TK.reshape(-1).float()[row_pair_N.clamp(min=0).long()], 0.0)[:, None]
+        dw_P = torch.zeros(w_TK.numel(), dtype=torch.float32, device=w_TK.device)
+        dw_P[row_pair_N[valid].long()] = (h.detach() * dh).sum(1)[valid]
+        dh = dh * w_N
+    dg, du = torch.autograd.grad(h, (g, u), dh)
+    h = h.detach() if routing is None else h.detach() * w_N
+    out = dg.to(g_NF.dtype), du.to(g_NF.dtype), h.to(g_NF.dtype)
+    return out if routing is None else (*out, dw_P.to(w_TK.dtype).view(w_TK.shape))
 
 
 def swiglu_fwd(g_NF, u_NF, num_rows, impl: str = "triton"):
     return (swiglu_fwd_triton if impl == "triton" else swiglu_fwd_reference)(g_NF, u_NF, num_rows)
 
 
-def swiglu_bwd(g_NF, u_NF, dh_NF, num_rows, impl: str = "triton"):
-    return (swiglu_bwd_triton if impl == "triton" else swiglu_bwd_reference)(g_NF, u_NF, dh_NF, num_rows)
+def swiglu_bwd(g_NF, u_NF, dh_NF, num_rows, impl: str = "triton", routing=None):
+    """-> (dg_NF, du_NF, h_NF): the gradients of h = silu(g) * u given dh, and h re-created.
+    routing (w_TK, plan.row_pair_N): dh holds the rows' gradient before their routing weight, dy[t] @ w_down for
+    row r of pair (t, k). Then dg and du are taken for w[t,k] * dh, h comes back as w[t,k] * h (the down projection's
+    weight-gradient operand), and dw_TK[t, k] = <h, dh> (dy[t] . y_r, the routing weight's gradient; 0 for pairs
+    no row serves) is returned fourth, so that y_ND need not be kept for the backward."""
+    fn = swiglu_bwd_triton if impl == "triton" else swiglu_bwd_reference
+    return fn(g_NF, u_NF, dh_NF, num_rows, routing=routing)

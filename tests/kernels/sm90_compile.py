@@ -31,13 +31,15 @@ def main() -> None:
                   "s_ptr": "*fp32", "Fdim": I32, "stride_g": I32, "stride_u": I32, "stride_h": I32, "stride_q": I32,
                   "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "SOFT_ROUND": C}
     swiglu_bwd = {"g_ptr": "*bf16", "u_ptr": "*bf16", "dh_ptr": "*bf16", "dg_ptr": "*bf16", "du_ptr": "*bf16",
-                  "h_ptr": "*bf16", "num_rows_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "Fdim": I32,
+                  "h_ptr": "*bf16", "num_rows_ptr": "*i32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*fp32",
+                  "row_pair_ptr": "*i32", "dw_ptr": "*fp32", "Fdim": I32,
                   **{f"stride_{n}": I32 for n in ("g", "u", "dh", "dg", "du", "h", "q")},
-                  "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "SOFT_ROUND": C}
+                  "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "ROUTED": C, "SOFT_ROUND": C}
     for quant in (False, True):
         meta = {"BLOCK_R": 4, "BLOCK_F": 1024, "QUANT": quant, "SOFT_ROUND": False}
         compile_sm90(swiglu._swiglu_fwd_kernel, swiglu_fwd, meta)
-        compile_sm90(swiglu._swiglu_bwd_kernel, swiglu_bwd, meta)
+        for routed in (False, True):
+            compile_sm90(swiglu._swiglu_bwd_kernel, swiglu_bwd, {**meta, "ROUTED": routed})
     quant_rows = {"x_ptr": "*bf16", "t_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "num_rows_ptr": "*i32",
                   "R": I32, "C": I32, "Ct": I32, **{f"s_{n}": I64 for n in ("xb", "xr", "xc", "tb", "tr", "tc", "qb",
                                                                            "qr", "sb")},

@@ -219,8 +219,16 @@ def test_swiglu_fp8_variants_equal_swiglu_then_quantize_rows(Fh):
     hq_want, hs_want = fp8.quantize_rows(swiglu.swiglu_fwd(g, u, num_rows), num_rows)
     assert torch.equal(_bits(hq[:R]), _bits(hq_want[:R])) and torch.equal(hs[:R], hs_want[:R])
 
-    *grads, q, s = swiglu.swiglu_bwd_fp8(g, u, dh, num_rows)
-    for got, want in zip(grads, swiglu.swiglu_bwd(g, u, dh, num_rows)):
-        assert torch.equal(got[:R], want[:R])
-    q_want, s_want = fp8.quantize_rows(grads[0], num_rows, tail=grads[1])
-    assert q.shape == (N, 2 * Fh) and torch.equal(_bits(q[:R]), _bits(q_want[:R])) and torch.equal(s[:R], s_want[:R])
+    row_pair = torch.randperm(N, generator=gen).int()  # rows serve pairs of 10 tokens x top-4 in shuffled order
+    routing = (torch.rand(10, 4, generator=gen), row_pair)
+    for kw in ({}, {"routing": routing}):
+        *grads, q, s = swiglu.swiglu_bwd_fp8(g, u, dh, num_rows, **kw)
+        want = swiglu.swiglu_bwd(g, u, dh, num_rows, **kw)
+        assert len(grads) == len(want)
+        for got, w in zip(grads[:3], want[:3]):
+            assert torch.equal(got[:R], w[:R])
+        if kw:
+            assert torch.equal(grads[3], want[3]) and bool((grads[3].view(-1)[row_pair[R:].long()] == 0).all())
+        q_want, s_want = fp8.quantize_rows(grads[0], num_rows, tail=grads[1])
+        assert q.shape == (N, 2 * Fh) and torch.equal(_bits(q[:R]), _bits(q_want[:R]))
+        assert torch.equal(s[:R], s_want[:R])

@@ -114,27 +114,51 @@ def test_swiglu(N, Fh, gen):
 
 
 @pytest.mark.parametrize("T,K,EG,e0,e1,D", [(1, 1, 1, 0, 1, 8), (257, 3, 12, 4, 9, 200), (4096, 8, 64, 8, 40, 8)])
-def test_combine_forward_and_backward(T, K, EG, e0, e1, D, gen):
+def test_combine_forward(T, K, EG, e0, e1, D, gen):
     idx = random_idx(T, K, EG, gen)
     p = route_indices(idx, e0, e1)
-    R = int(p.num_rows)
     rows, rows2 = torch.randn(2, T * K, D, generator=gen)
     w = torch.rand(T, K, generator=gen)
     assert rel_err(reduce.combine(rows, p.pair_row_TK, w), reduce.combine_reference(rows, p.pair_row_TK, w)) <= 1e-6
     assert rel_err(reduce.combine(rows, p.pair_row_TK, None, rows2_ND=rows2),
                    reduce.combine_reference(rows, p.pair_row_TK, None, rows2_ND=rows2)) <= 1e-6
+
+
+@pytest.mark.parametrize("T,K,EG,e0,e1,Fh", [(1, 1, 1, 0, 1, 8), (257, 3, 12, 4, 9, 200), (300, 2, 4, 1, 3, 1100)])
+def test_swiglu_backward_with_routing_weights(T, K, EG, e0, e1, Fh, gen):
+    """The routed SwiGLU backward against the layer's math: dh' = dy[t] @ w_down for row r of pair (t, k), the rows'
+    output y_r = h_r @ w_down^T, and the reduction y[t] = sum_k w[t,k] y_r. Autograd of that chain gives dg, du; the
+    routing weight's gradient is <y_r, dy[t]>; the down weight's operand is w*h. F = 1100 spans two column blocks."""
+    idx = random_idx(T, K, EG, gen)
+    p = route_indices(idx, e0, e1)
+    R, D = int(p.num_rows), 24
+    g, u = torch.randn(2, T * K, Fh, generator=gen)
+    w_down = torch.randn(D, Fh, generator=gen) / Fh ** 0.5  # one expert's weight for every row: the math is per row
     dy = torch.randn(T, D, generator=gen)
-    (drows, dw), (drows_ref, dw_ref) = (reduce.combine_bwd(dy, rows, p.pair_row_TK, w),
-                                        reduce.combine_bwd_reference(dy, rows, p.pair_row_TK, w))
-    assert rel_err(drows[:R], drows_ref[:R]) <= 1e-6
-    # dw[t, k] is one D-term dot product: a relative bound fails on cancellation (T=1 can give |dw| ~ 0), so bound
-    # each element by the size of its terms, sum_d |dy[t, d] * rows[row, d]|, as fp32 summation error scales with it
+    w = torch.rand(T, K, generator=gen)
+    dyg_ND = gather.gather_rows(dy, p.row_token_N, p.num_rows)
+    dg, du, wh, dw = swiglu.swiglu_bwd(g, u, dyg_ND @ w_down, p.num_rows, routing=(w, p.row_pair_N))
+
+    gq, uq, wq = (t.clone().requires_grad_() for t in (g[:R], u[:R], w))
+    y_ND = (torch.nn.functional.silu(gq) * uq) @ w_down.T
+    y_TD = reduce.combine_reference(torch.cat([y_ND, y_ND.new_zeros(T * K - R, D)]), p.pair_row_TK, wq)
+    dg_ref, du_ref, dw_ref = torch.autograd.grad(y_TD, (gq, uq, wq), dy)
+    assert rel_err(dg[:R], dg_ref) <= 1e-5 and rel_err(du[:R], du_ref) <= 1e-5
+    w_N = w.reshape(-1)[p.row_pair_N[:R].long()]
+    assert rel_err(wh[:R], w_N[:, None] * swiglu.swiglu_fwd_reference(g[:R], u[:R], p.num_rows)) <= 1e-6
     local = p.pair_row_TK >= 0
-    terms_TK = torch.zeros_like(dw_ref)
-    dy_TKD = dy.unsqueeze(1).expand(T, K, D)
-    terms_TK[local] = (dy_TKD[local] * rows[p.pair_row_TK[local].long()]).abs().sum(-1)
-    assert bool(((dw - dw_ref).abs() <= 1e-6 * terms_TK).all()), ((dw - dw_ref).abs().max(), terms_TK.max())
-    assert bool((dw[p.pair_row_TK < 0] == 0).all())  # non-local pairs: no router-weight gradient from this rank
+    assert bool((dw[~local] == 0).all())  # non-local pairs: no router-weight gradient from this rank
+    # dw[t, k] = sum_d,f dy_d W_df h_f, summed in another order than the reference: bound each element by the size of
+    # its terms, sum |dy_d W_df h_f|, as fp32 summation error scales with it (a relative bound fails on cancellation)
+    terms_TK = torch.zeros_like(dw)
+    rows = p.pair_row_TK[local].long()
+    h_abs = (torch.nn.functional.silu(g[:R]) * u[:R]).abs() @ w_down.abs().T
+    terms_TK[local] = (h_abs[rows] * dy.abs()[local.nonzero()[:, 0]]).sum(-1)
+    assert bool(((dw - dw_ref).abs() <= 1e-5 * terms_TK).all()), ((dw - dw_ref).abs().max(), terms_TK.max())
+    ref = swiglu.swiglu_bwd_reference(g, u, dyg_ND @ w_down, p.num_rows, routing=(w, p.row_pair_N))
+    for got, want in zip((dg, du, wh), ref[:3]):
+        assert rel_err(got[:R], want[:R]) <= 1e-6
+    assert bool(((dw - ref[3]).abs() <= 1e-5 * terms_TK).all())
 
 
 def test_cutlass_alignment_rule():
