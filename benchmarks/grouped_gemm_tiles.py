@@ -93,7 +93,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--only", default="", help="comma-separated substrings of the GEMM names to run")
     args = ap.parse_args()
+    only = [o for o in args.only.split(",") if o]
     log = file_log(args.out, "grouped_gemm_tiles.log")
     env = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
            "triton": triton.__version__, "gpu": torch.cuda.get_device_name()}
@@ -104,6 +106,8 @@ def main() -> None:
     table = ["| GEMM | N, K, M, E | torch bf16 ms (TFLOP/s) | ours bf16, best tile | torch fp8 (promoted) | "
              "ours fp8, best tile |", "|---|---|---|---|---|---|"]
     for gname, (N, K, M, E, kmajor) in gemms().items():
+        if only and not any(o in gname for o in only):
+            continue
         row = {"gemm": gname, "N": N, "K": K, "M": M, "E": E, "b_kmajor": kmajor,
                **measure(N, K, M, E, kmajor, args.rep_ms, log)}
         rows.append(row)

@@ -153,4 +153,27 @@ def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 1
     log(f"  kernels of one {label} fwd+bwd (ms per call, launches): total {sum(v[0] for v in rows.values()):.2f} ms")
     for name, (ms, n) in list(rows.items())[:top]:
         log(f"    {ms:7.3f} ms  x{n:<3d} {name}")
+    device_gaps(prof, iters, log)
     return rows
+
+
+def device_gaps(prof, iters: int, log, top: int = 6) -> None:
+    """Where the device waited between the profiled calls' kernels (queued back to back, no sync between calls): the
+    span from the first kernel's start to the last one's end per call, its idle share, and the longest gaps with the
+    kernels on either side."""
+    kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)
+    if len(kernels) < 2:
+        return
+    span = kernels[-1].time_range.end - kernels[0].time_range.start
+    gaps, end, prev = [], kernels[0].time_range.end, kernels[0]
+    for ev in kernels[1:]:
+        if ev.time_range.start > end:
+            gaps.append((ev.time_range.start - end, prev.name[:40], ev.name[:40]))
+        if ev.time_range.end >= end:
+            end, prev = ev.time_range.end, ev
+    idle = sum(g for g, _, _ in gaps)
+    log(f"  device span per call {span / iters / 1e3:.3f} ms, idle {idle / iters / 1e3:.3f} ms between kernels; "
+        "longest gaps (us, after -> before):")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        log(f"    {g:8.1f}  {a} -> {b}")

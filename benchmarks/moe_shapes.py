@@ -208,16 +208,18 @@ def run_shape(shape: Shape, device, dtype, fp8: bool, rep_ms: int, log, profile:
                     step()
                     row["peak_mib"] = (torch.cuda.max_memory_allocated() - held) / 2**20
                 row["ms"] = bench(step, device, rep_ms=rep_ms)
-            row["tflops"] = res["flops"] / row["ms"] / 1e9
-            log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
-            if profile and device.type == "cuda" and name not in BASELINES:
-                # kernel time against the timed wall time: what is left is the device waiting for the host
-                kernels = kernel_breakdown(step, log, label=f"{shape.name} / {name}", top=10)
-                row["kernel_ms"] = sum(ms for ms, _ in kernels.values())
-                row["launches"] = sum(n for _, n in kernels.values())
-                log(f"  {name}: kernels {row['kernel_ms']:.3f} ms of {row['ms']:.3f} ms, {row['launches']} launches")
-            if profile and device.type == "cuda":
-                row["host_ms"] = host_breakdown(step, log, label=name)
+                row["tflops"] = res["flops"] / row["ms"] / 1e9
+                log(f"  timed {name}: {row['ms']:.3f} ms fwd+bwd, {row['tflops']:.0f} TFLOP/s")
+                # in the same scope as the timing: the reused weights' row runs no weight quantization here either
+                if profile and device.type == "cuda" and name not in BASELINES:
+                    # kernel time against the timed wall time: what is left is the device waiting for the host
+                    kernels = kernel_breakdown(step, log, label=f"{shape.name} / {name}", top=10)
+                    row["kernel_ms"] = sum(ms for ms, _ in kernels.values())
+                    row["launches"] = sum(n for _, n in kernels.values())
+                    log(f"  {name}: kernels {row['kernel_ms']:.3f} ms of {row['ms']:.3f} ms, {row['launches']} "
+                        "launches")
+                if profile and device.type == "cuda":
+                    row["host_ms"] = host_breakdown(step, log, label=name)
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             log(f"  timing {name} failed: {e!r}"[:1500])
