@@ -160,10 +160,12 @@ def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 1
 def device_gaps(prof, iters: int, log, top: int = 6) -> None:
     """Where the device waited between the profiled calls' kernels (queued back to back, no sync between calls): the
     span from the first kernel's start to the last one's end per call, its idle share, and the longest gaps with the
-    kernels on either side."""
+    kernels on either side. The first call is left out: the profiler's start delays its launches."""
     kernels = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
                      key=lambda ev: ev.time_range.start)
-    if len(kernels) < 2:
+    kernels = kernels[len(kernels) // iters:]
+    calls = iters - 1
+    if len(kernels) < 2 or calls < 1:
         return
     span = kernels[-1].time_range.end - kernels[0].time_range.start
     gaps, end, prev = [], kernels[0].time_range.end, kernels[0]
@@ -173,7 +175,7 @@ def device_gaps(prof, iters: int, log, top: int = 6) -> None:
         if ev.time_range.end >= end:
             end, prev = ev.time_range.end, ev
     idle = sum(g for g, _, _ in gaps)
-    log(f"  device span per call {span / iters / 1e3:.3f} ms, idle {idle / iters / 1e3:.3f} ms between kernels; "
-        "longest gaps (us, after -> before):")
+    log(f"  device span per call {span / calls / 1e3:.3f} ms, idle {idle / calls / 1e3:.3f} ms between kernels "
+        f"(calls 2..{iters}); longest gaps (us, after -> before):")
     for g, a, b in sorted(gaps, reverse=True)[:top]:
         log(f"    {g:8.1f}  {a} -> {b}")
