@@ -7,7 +7,8 @@ expert is not local, it contributes nothing here).
 Its backward is a gather of dy (kernels/gather.py) with w applied, and dw_TK[t,k] = <rows_ND[row], dy_TD[t]>; the
 expert stage takes both inside its SwiGLU backward (kernels/swiglu.py), so the rows need not be kept. The kernel walks
 tokens, so each output element is written once: no atomics, deterministic. With no weights it is also the gather's
-backward (each token sums the gradients of its rows); `rows2_ND` adds a second buffer in the same pass (the input gradient of the gate and the up projection arrive as two buffers).
+backward (each token sums the gradients of its rows); `rows2_ND` adds a second buffer in the same pass (the input
+gradient of the gate and the up projection arrive as two buffers).
 """
 
 from __future__ import annotations
