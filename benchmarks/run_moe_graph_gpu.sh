@@ -4,9 +4,10 @@
 #                                                  both shape sets of benchmarks/moe_shapes.py (COMMON_ONLY /
 #                                                  MODELS_ONLY: its --only), every row against the naive pipeline
 #   bash benchmarks/run_moe_graph_gpu.sh trainer   the 16-layer trainer at 1k and 2k tokens per micro-batch, eager
-#                                                  and graphed, same data (the losses must agree)
-#   bash benchmarks/run_moe_graph_gpu.sh product   moe-launch model.moe.cuda_graph=true (the default run otherwise),
-#                                                  then the trainer at 4k tokens per micro-batch, eager and graphed
+#                                                  and as the default (auto) runs it, same data (the losses must agree)
+#   bash benchmarks/run_moe_graph_gpu.sh product   moe-launch with model.moe.cuda_graph=false, then with no arguments
+#                                                  (auto graphs its small calls); both again with train.deterministic
+#                                                  =true, where the two final losses must be equal
 source "$(dirname "$0")/gpu_env.sh"
 case "${1:-layer}" in
   layer)
@@ -19,13 +20,15 @@ case "${1:-layer}" in
     sed -n '/^dense rates measured/,$p' "$OUT/moe_shapes-models.log" ;;
   trainer)
     run trainer_throughput 560 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
-      --only olmoe-16L-1k-8mb,olmoe-16L-1k-8mb-graph,olmoe-16L-2k-8mb,olmoe-16L-2k-8mb-graph
+      --only "${TRAINER_ONLY:-olmoe-16L-1k-8mb-eager,olmoe-16L-1k-8mb,olmoe-16L-2k-8mb-eager,olmoe-16L-2k-8mb}"
     tail -8 "$OUT/trainer_throughput.log" ;;
-  product)
-    bash benchmarks/local_gpu_run.sh model.moe.cuda_graph=true
-    cd "$(dirname "$0")/.." || exit 1
-    run trainer_throughput 330 python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
-      --only olmoe-16L-4k-8mb,olmoe-16L-4k-8mb-graph
-    tail -6 "$OUT/trainer_throughput.log" ;;
+  product)  # each run's files under /tmp (few files come back from $OUT): its printed summary and trainer tail kept
+    for spec in "eager model.moe.cuda_graph=false" "default" \
+                "eager_det model.moe.cuda_graph=false train.deterministic=true" "default_det train.deterministic=true"; do
+      set -- $spec; name=$1; shift
+      { OUT=/tmp/product/$name bash benchmarks/local_gpu_run.sh "$@"
+        grep -hE "tok/s" /tmp/product/$name/trainer_tail.log | tail -n 3; } >"$OUT/product_$name.log" 2>&1
+      cat "$OUT/product_$name.log"
+    done ;;
 esac
 cat "$OUT/gpus.txt"

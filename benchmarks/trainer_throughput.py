@@ -116,8 +116,8 @@ def main() -> None:
         def cutlass(m):  # model.moe.grouped_gemm=torch: every row GEMM on torch's CUTLASS kernels
             return dataclasses.replace(m, moe=dataclasses.replace(m.moe, grouped_gemm="torch"))
 
-        def graphed(m):  # model.moe.cuda_graph=true
-            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, cuda_graph=True))
+        def graphed(m, mode="true"):  # model.moe.cuda_graph=true (every call) | false (never); the default is auto
+            return dataclasses.replace(m, moe=dataclasses.replace(m.moe, cuda_graph=mode))
 
         l4, l4_fp8 = dataclasses.replace(base, n_layers=4), dataclasses.replace(fp8, n_layers=4)
         cases = [("olmoe-4L", l4, 4, 1, 4096, True, ()),
@@ -163,11 +163,12 @@ def main() -> None:
                  ("olmoe-16L-fp8-4x-4mb-xent-torch", xent_torch(fp8), 4, 4, 4096, True, ()),
                  ("olmoe-4L-4mb-xent-torch", xent_torch(l4), 4, 4, 4096, True, ()),
                  # few tokens per layer call (1k, 2k), where queueing the experts' kernels takes longer than running
-                 # them: eager, and replayed from CUDA graphs
+                 # them: eager, the default (auto: graphs for calls that small), and graphs for every call
+                 ("olmoe-16L-1k-8mb-eager", graphed(base, "false"), 1, 8, 1024, True, ()),
                  ("olmoe-16L-1k-8mb", base, 1, 8, 1024, True, ()),
-                 ("olmoe-16L-1k-8mb-graph", graphed(base), 1, 8, 1024, True, ()),
+                 ("olmoe-16L-2k-8mb-eager", graphed(base, "false"), 1, 8, 2048, True, ()),
                  ("olmoe-16L-2k-8mb", base, 1, 8, 2048, True, ()),
-                 ("olmoe-16L-2k-8mb-graph", graphed(base), 1, 8, 2048, True, ()),
+                 ("olmoe-16L-4k-8mb-eager", graphed(base, "false"), 1, 8, 4096, True, ()),
                  ("olmoe-16L-4k-8mb", base, 1, 8, 4096, True, ()),
                  ("olmoe-16L-4k-8mb-graph", graphed(base), 1, 8, 4096, True, ()),
                  # the same with the caching allocator's expandable segments (less fragmentation near the limit)

@@ -57,10 +57,12 @@ class MoEConfig:
     # on the CUDA cores, several times slower). fp32 parameters always take fp32
     router_gemm: str = "bf16"
     # capture each layer's bf16 expert stage (forward and backward) as CUDA graphs and replay them
-    # (kernels/moe_graph.py): for few tokens per layer call (a few thousand), where queueing the stage's ~45 kernels
-    # takes the host longer than the GPU takes to run them. Each layer then holds its graphs' memory pool (saved
-    # activations and temporaries) between steps, so leave it off at tens of thousands of tokens per call
-    cuda_graph: bool = False
+    # (kernels/moe_graph.py): a gain for few tokens per layer call (a couple of thousand at OLMoE dims), where queueing
+    # the stage's ~45 kernels takes the host longer than the GPU takes to run them. Each layer holds its graphs'
+    # memory pool (saved activations and temporaries) between steps, which grows with the tokens per call.
+    # auto: graph the calls small enough to gain (moe_graph.AUTO_MAX_FLOPS), where the kernels run bf16 on a GPU;
+    # true: every call it can (an error where it cannot: FP8, the reference experts); false: never
+    cuda_graph: str = "auto"
     # the kernels' grouped GEMMs over rows (forward and activation gradients, bf16 and FP8): auto (per GEMM shape, our
     # persistent TMA kernel where it ran faster, 512-1024 rows per expert, else torch's CUTLASS one;
     # kernels/grouped_gemm_tma.py choose; in bf16 from 512 rows per expert with dims up to 2048 also gate+up with
@@ -87,10 +89,12 @@ class MoEConfig:
                 "fp8 runs in the FastSparseMoE kernels, but model.moe.impl=reference selects the plain-torch experts",
                 "set model.moe.impl=fast (or auto), or model.moe.precision=bf16")
         one_of(self.router_gemm, ("bf16", "fp32"), "model.moe.router_gemm")
-        require(not (self.cuda_graph and (self.impl == "reference" or self.precision != "bf16")),
+        self.cuda_graph = str(self.cuda_graph).lower()  # a Hydra override `=true` arrives as the bool's str
+        one_of(self.cuda_graph, ("auto", "true", "false"), "model.moe.cuda_graph")
+        require(not (self.cuda_graph == "true" and (self.impl == "reference" or self.precision != "bf16")),
                 "model.moe.cuda_graph", f"graphs the bf16 FastSparseMoE kernels, but model.moe.impl={self.impl} and "
-                f"model.moe.precision={self.precision}", "set model.moe.cuda_graph=false, or impl=auto/fast with "
-                "precision=bf16")
+                f"model.moe.precision={self.precision}", "set model.moe.cuda_graph=auto or false, or impl=auto/fast "
+                "with precision=bf16")
         one_of(self.grouped_gemm, ("auto", "torch", "tma"), "model.moe.grouped_gemm")
         one_of(self.dispatcher, ("allgather", "alltoall"), "model.moe.dispatcher")
         one_of(self.balance, ("aux_loss", "aux_free_bias", "sinkhorn"), "model.moe.balance")

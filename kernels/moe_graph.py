@@ -6,10 +6,13 @@ engine (benchmarks/RESULTS.md). `ExpertGraphs` captures a layer's forward and ba
 then replays them: one launch each, beside the copies of the inputs into the graphs' buffers.
 
     graphs = ExpertGraphs()                      one per layer: its graphs read that layer's weights by address
+    graphs = ExpertGraphs(max_flops=AUTO_MAX_FLOPS)   the same, for small calls only (model.moe.cuda_graph=auto)
     fast_experts(..., graphs=graphs)             graphed where it can be, eager otherwise; the same kernels either way
 
 When a call runs eager instead is `graph_action`, a pure function of what the call looks like (and before it, in
 fast_experts: expert weights cast for the call under autocast, new tensors every time):
+  - a call with more expert FLOPs than max_flops (when set): the device is busy longer than the host needs to queue
+    the kernels, so a graph only adds its input copies and holds memory;
   - not on CUDA, FP8 (its weight operands come from a per-step reuse scope that a graph would freeze), no gradient
     wanted (evaluation has nothing to save, and nothing to gain from a second code path), inside torch.compile or
     inside another stream capture, or under saved-tensor hooks (activation checkpointing, as train.recompute and the
@@ -53,14 +56,31 @@ class CallShape:
     compiling: bool
     capturing: bool
     saved_tensor_hooks: bool
+    flops: float = 0.0  # the call's expert GEMM FLOPs, forward and backward (expert_flops)
 
 
-def graph_action(call: CallShape, held: bool, free: bool, seen: int, graphs: int, max_graphs: int) -> str:
+# model.moe.cuda_graph=auto graphs calls up to this many expert FLOPs (forward + backward). On the H200 the stage's
+# ~45 launches take the host about 2.7 ms to queue, and at OLMoE dims the graphs gained 1.66x at 1k tokens per call
+# (0.31 TFLOP), 1.12x at 2k (0.62) and nothing from 3k (0.93) on (benchmarks/RESULTS.md, the expert stage replayed from
+# CUDA graphs): below this the device would wait for the host.
+AUTO_MAX_FLOPS = 0.8e12
+
+
+def expert_flops(tokens: int, top_k: int, d_model: int, d_ff: int) -> float:
+    """Forward + backward FLOPs of the expert GEMMs for tokens x top_k rows: three GEMMs of 2*D*F per row, each run
+    three times (forward, activation gradient, weight gradient). With expert parallelism a rank gets a share of the
+    rows; this counts them all, so it errs towards eager."""
+    return 18.0 * tokens * top_k * d_model * d_ff
+
+
+def graph_action(call: CallShape, held: bool, free: bool, seen: int, graphs: int, max_graphs: int,
+                 max_flops: float | None = None) -> str:
     """EAGER (run the eager Function), WARM (eager, and count the signature), CAPTURE (capture a graph, then replay it)
     or REPLAY. held: graphs of this signature exist; free: one of them holds no forward whose backward is still to
-    run; seen: eager calls of this signature so far; graphs: graphs this layer holds, of every signature."""
+    run; seen: eager calls of this signature so far; graphs: graphs this layer holds, of every signature; max_flops:
+    the largest call worth a graph (None: any)."""
     if (not call.on_cuda or call.precision != "bf16" or not call.grad_wanted or call.compiling or call.capturing
-            or call.saved_tensor_hooks):
+            or call.saved_tensor_hooks or (max_flops is not None and call.flops > max_flops)):
         return EAGER
     if held and free:
         return REPLAY
@@ -153,10 +173,11 @@ class _GraphedExperts(torch.autograd.Function):
 
 class ExpertGraphs:
     """The captured graphs of one layer's expert stage, by signature (module docstring). max_graphs bounds how many
-    it keeps over all signatures, and so the memory their pools hold."""
+    it keeps over all signatures, and so the memory their pools hold; max_flops (None: no bound) the size of a call
+    that may take one (AUTO_MAX_FLOPS for model.moe.cuda_graph=auto)."""
 
-    def __init__(self, max_graphs: int = 4):
-        self.max_graphs = max_graphs
+    def __init__(self, max_graphs: int = 4, max_flops: float | None = None):
+        self.max_graphs, self.max_flops = max_graphs, max_flops
         self.graphs: dict[tuple, list[_Captured]] = {}
         self.seen: dict[tuple, int] = {}
         self._said_full = False
@@ -169,13 +190,14 @@ class ExpertGraphs:
         call = CallShape(on_cuda=x_TD.is_cuda, precision=precision, grad_wanted=any(need),
                          compiling=torch.compiler.is_compiling(),
                          capturing=x_TD.is_cuda and torch.cuda.is_current_stream_capturing(),
-                         saved_tensor_hooks=saved_tensor_hooks_active())
+                         saved_tensor_hooks=saved_tensor_hooks_active(),
+                         flops=expert_flops(x_TD.shape[0], idx_TK.shape[1], x_TD.shape[1], w_gate_EFD.shape[1]))
         into = grad_buffers(weights, fuse_grads)
         sig = signature(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
         held = self.graphs.get(sig, [])
         free = next((g for g in held if not g.busy), None)
         action = graph_action(call, bool(held), free is not None, self.seen.get(sig, 0), self.count(),
-                              self.max_graphs)
+                              self.max_graphs, self.max_flops)
         if action == CAPTURE:
             try:
                 free = _Captured(x_TD, w_TK, idx_TK, weights, e_start, gemm_impl, need, into)
@@ -191,7 +213,8 @@ class ExpertGraphs:
             if len(self.seen) >= 4 * self.max_graphs:  # signatures that never come back: forget them
                 self.seen.clear()
             self.seen[sig] = self.seen.get(sig, 0) + 1
-        elif call.on_cuda and call.grad_wanted and not held and not self._said_full and self.count() >= self.max_graphs:
+        elif (call.on_cuda and call.grad_wanted and not held and not self._said_full
+              and self.count() >= self.max_graphs and (self.max_flops is None or call.flops <= self.max_flops)):
             self._said_full = True
             LOG.warning(f"the expert layer holds {self.max_graphs} CUDA graphs already; new input signatures run "
                         "eager (shapes that change every step gain nothing from graphs)")

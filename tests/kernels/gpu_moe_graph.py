@@ -9,7 +9,7 @@ import torch
 import triton  # noqa: F401  (first: compiled mode)
 
 from moe_launch.kernels.moe import fast_experts
-from moe_launch.kernels.moe_graph import ExpertGraphs
+from moe_launch.kernels.moe_graph import ExpertGraphs, expert_flops
 
 T, D, F, E, K = 512, 256, 128, 16, 4
 
@@ -201,6 +201,25 @@ def signature_cap():
     print("ok: past max_graphs a new shape runs eager; weights cast per call are never captured")
 
 
+def size_bound():
+    """model.moe.cuda_graph=auto's bound: a call within it is captured and replayed bit for bit, one above it never."""
+    global T
+    ws_eager, ws_graph = _weights(7), _weights(7)
+    graphs = ExpertGraphs(max_flops=expert_flops(T, K, D, F))
+    for call in range(3):
+        _same(_run(ws_graph, seed=70 + call, graphs=graphs), _run(ws_eager, seed=70 + call), f"bounded call {call}")
+    assert graphs.count() == 1, graphs.count()
+    t0, T = T, T + 64
+    try:
+        for call in range(3):
+            _same(_run(ws_graph, seed=80 + call, graphs=graphs), _run(ws_eager, seed=80 + call), f"large call {call}")
+    finally:
+        T = t0
+    assert graphs.count() == 1 and len(graphs.seen) == 1, (graphs.count(), graphs.seen)
+    _same([w.grad for w in ws_graph], [w.grad for w in ws_eager], "bounded calls' weight grads (accumulated)")
+    print("ok: a call within the size bound replays bit for bit; one above it runs eager and is never captured")
+
+
 if __name__ == "__main__":
     calls_replay_bit_for_bit()
     grads_into_buffers_and_a_local_expert_range()
@@ -209,3 +228,4 @@ if __name__ == "__main__":
     no_grad_and_retain_graph()
     under_activation_checkpointing()
     signature_cap()
+    size_bound()

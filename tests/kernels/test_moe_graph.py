@@ -11,15 +11,26 @@ from kernel_helpers import run_compiled
 from moe_launch.conf.schema import MoEConfig
 from moe_launch.errors import ConfigError
 from moe_launch.kernels.moe import fast_experts
-from moe_launch.kernels.moe_graph import CAPTURE, EAGER, REPLAY, WARM, CallShape, ExpertGraphs, graph_action, signature
+from moe_launch.kernels.moe_graph import (
+    AUTO_MAX_FLOPS,
+    CAPTURE,
+    EAGER,
+    REPLAY,
+    WARM,
+    CallShape,
+    ExpertGraphs,
+    expert_flops,
+    graph_action,
+    signature,
+)
 from moe_launch.trainer.moe import layer as layer_mod
 
 GRAPHABLE = CallShape(on_cuda=True, precision="bf16", grad_wanted=True, compiling=False, capturing=False,
                       saved_tensor_hooks=False)
 
 
-def _action(call=GRAPHABLE, held=False, free=False, seen=0, graphs=0, max_graphs=4):
-    return graph_action(call, held, free, seen, graphs, max_graphs)
+def _action(call=GRAPHABLE, held=False, free=False, seen=0, graphs=0, max_graphs=4, max_flops=None):
+    return graph_action(call, held, free, seen, graphs, max_graphs, max_flops)
 
 
 def test_first_call_warms_second_captures_then_replays():
@@ -41,6 +52,50 @@ def test_calls_a_graph_cannot_serve_run_eager(change):
     call = CallShape(**{**GRAPHABLE.__dict__, **change})
     assert _action(call=call, held=True, free=True) == EAGER
     assert _action(call=call, seen=5) == EAGER
+
+
+def test_a_size_bound_leaves_larger_calls_eager_and_smaller_ones_as_before():
+    big = CallShape(**{**GRAPHABLE.__dict__, "flops": 2e12})
+    small = CallShape(**{**GRAPHABLE.__dict__, "flops": 1e12})
+    assert _action(call=big, seen=5, max_flops=1.5e12) == EAGER
+    assert _action(call=big, held=True, free=True, max_flops=1.5e12) == EAGER
+    for kw in (dict(seen=0), dict(seen=1), dict(held=True, free=True, graphs=1), dict(held=True, graphs=4)):
+        assert _action(call=small, max_flops=1.5e12, **kw) == _action(call=small, **kw)  # at the bound: graphable
+        assert _action(call=big, **kw) == _action(call=small, **kw)  # no bound: any size
+
+
+def test_auto_bound_graphs_the_token_counts_where_graphs_were_measured_to_gain():
+    # OLMoE dims: 1k and 2k tokens per call gained (1.66x, 1.12x), 3k and 4k did not (benchmarks/RESULTS.md)
+    assert expert_flops(1024, 8, 2048, 1024) <= expert_flops(2048, 8, 2048, 1024) <= AUTO_MAX_FLOPS
+    assert AUTO_MAX_FLOPS < expert_flops(3000, 8, 2048, 1024) < expert_flops(4096, 8, 2048, 1024)
+    # three GEMMs of 2*D*F per row, each run forward, for the activation gradient and for the weight gradient
+    assert expert_flops(3, 2, 5, 7) == 3 * 3 * 2 * 5 * 7 * (3 * 2)
+
+
+def test_a_call_above_the_bound_is_never_counted_nor_captured(monkeypatch):
+    import dataclasses
+
+    from moe_launch.kernels import moe_graph
+
+    captures = []
+    real = moe_graph.graph_action
+    monkeypatch.setattr(moe_graph, "graph_action", lambda call, *rest: real(dataclasses.replace(call, on_cuda=True),
+                                                                            *rest))
+    def capture(*args, **kwargs):  # a capture attempt is what is counted; the layer then goes on eager
+        captures.append(1)
+        raise RuntimeError("no capture on CPU")
+
+    monkeypatch.setattr(moe_graph, "_Captured", capture)
+    x, w_TK, idx_TK, ws = _call_args(T=8, D=16, F=8, K=2)
+    graphs = ExpertGraphs(max_flops=expert_flops(8, 2, 16, 8) - 1)  # the bound just below this call
+    for _ in range(3):
+        fast_experts(x, idx_TK, w_TK, *ws, graphs=graphs).sum().backward()
+    assert not captures and not graphs.seen and not graphs.graphs
+    graphs = ExpertGraphs(max_flops=expert_flops(8, 2, 16, 8))  # at the bound: warmed, then captured
+    fast_experts(x, idx_TK, w_TK, *ws, graphs=graphs)
+    assert list(graphs.seen.values()) == [1] and not captures
+    fast_experts(x, idx_TK, w_TK, *ws, graphs=graphs)
+    assert captures == [1]
 
 
 def test_no_new_capture_past_max_graphs_but_held_graphs_still_replay():
@@ -140,9 +195,36 @@ def test_config_binds_one_graph_set_per_layer():
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=True)
     a, b = layer_mod.MoELayer(16, cfg), layer_mod.MoELayer(16, cfg)
     assert isinstance(a.expert_graphs, ExpertGraphs) and a.expert_graphs is not b.expert_graphs
-    assert a.experts_fn.keywords["graphs"] is a.expert_graphs
-    off = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8))
+    assert a.experts_fn.keywords["graphs"] is a.expert_graphs and a.expert_graphs.max_flops is None
+    off = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=False))
     assert off.expert_graphs is None and "graphs" not in getattr(off.experts_fn, "keywords", {})
+
+
+def test_default_graphs_small_calls_of_the_bf16_kernels_only():
+    auto = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8))
+    assert auto.expert_graphs.max_flops == AUTO_MAX_FLOPS
+    for other in (dict(impl="reference"), dict(precision="fp8")):  # auto there means none, not an error
+        cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden=16, **other)
+        assert cfg.cuda_graph == "auto" and layer_mod.expert_graphs(cfg) is None
+
+
+@pytest.mark.parametrize("given,stored", [(True, "true"), (False, "false"), ("True", "true"), ("AUTO", "auto")])
+def test_cuda_graph_takes_hydra_booleans(given, stored):
+    assert MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=given).cuda_graph == stored
+
+
+def test_cuda_graph_override_through_hydra():
+    from hydra import compose, initialize
+    from omegaconf import OmegaConf
+
+    from moe_launch.conf.store import register
+
+    register()
+    with initialize(version_base=None, config_path=None):
+        for override, stored in (("model.moe.cuda_graph=true", "true"), ("model.moe.cuda_graph=false", "false"),
+                                 ("model.moe.cuda_graph=auto", "auto")):
+            cfg = OmegaConf.to_object(compose("moe_launch", overrides=[override]))
+            assert cfg.model.moe.cuda_graph == stored
 
 
 @pytest.mark.parametrize("bad", [dict(impl="reference"), dict(precision="fp8")])
@@ -151,8 +233,13 @@ def test_cuda_graph_outside_the_bf16_kernels_is_refused(bad):
         MoEConfig(num_experts=4, top_k=2, expert_hidden=16, cuda_graph=True, **bad)
 
 
+def test_unknown_cuda_graph_value_names_the_key_and_the_choices():
+    with pytest.raises(ConfigError, match="model.moe.cuda_graph.*auto, true, false"):
+        MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph="yes")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (capture and replay)")
 def test_graphs_replay_bit_for_bit_on_the_gpu():
     """gpu_moe_graph.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
     out = run_compiled("gpu_moe_graph.py")
-    assert out.count("ok: ") == 7, out
+    assert out.count("ok: ") == 8, out

@@ -130,11 +130,12 @@ def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False
 
 
 def expert_graphs(cfg: MoEConfig) -> "ExpertGraphs | None":
-    """model.moe.cuda_graph: a layer's capture-and-replay of its expert stage (kernels/moe_graph.py), or None."""
-    if not cfg.cuda_graph:
+    """model.moe.cuda_graph: a layer's capture-and-replay of its expert stage (kernels/moe_graph.py), or None. auto
+    gives one that graphs small calls only, and none where the experts are not the bf16 kernels."""
+    if cfg.cuda_graph == "false" or (cfg.cuda_graph == "auto" and (cfg.impl == "reference" or cfg.precision != "bf16")):
         return None
-    from moe_launch.kernels.moe_graph import ExpertGraphs
-    return ExpertGraphs()
+    from moe_launch.kernels.moe_graph import AUTO_MAX_FLOPS, ExpertGraphs
+    return ExpertGraphs(max_flops=AUTO_MAX_FLOPS if cfg.cuda_graph == "auto" else None)
 
 
 def local_dispatch(x_TD: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor, layer: "MoELayer") -> torch.Tensor:
