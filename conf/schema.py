@@ -60,8 +60,9 @@ class MoEConfig:
     # (kernels/moe_graph.py): a gain for few tokens per layer call (a couple of thousand at OLMoE dims), where queueing
     # the stage's ~45 kernels takes the host longer than the GPU takes to run them. Each layer holds its graphs'
     # memory pool (saved activations and temporaries) between steps, which grows with the tokens per call.
-    # auto: graph the calls small enough to gain (moe_graph.AUTO_MAX_FLOPS), where the kernels run bf16 on a GPU;
-    # true: every call it can (an error where it cannot: FP8, the reference experts); false: never
+    # auto: graph the calls small enough to gain (moe_graph.AUTO_MAX_FLOPS), where the kernels run bf16 on a GPU and
+    # the calls keep their shape from step to step (not the alltoall dispatcher at ep > 1); true: every call it can
+    # (an error where it cannot: FP8, the reference experts); false: never
     cuda_graph: str = "auto"
     # the kernels' grouped GEMMs over rows (forward and activation gradients, bf16 and FP8): auto (per GEMM shape, our
     # persistent TMA kernel where it ran faster, 512-1024 rows per expert, else torch's CUTLASS one;

@@ -208,6 +208,19 @@ def test_default_graphs_small_calls_of_the_bf16_kernels_only():
         assert cfg.cuda_graph == "auto" and layer_mod.expert_graphs(cfg) is None
 
 
+def test_default_leaves_the_alltoall_dispatchers_varying_shapes_eager():
+    def graphs(ep_size, **kw):
+        return layer_mod.expert_graphs(MoEConfig(num_experts=4, top_k=2, expert_hidden=8, **kw), ep_size)
+
+    assert graphs(2, dispatcher="alltoall") is None
+    assert graphs(2, dispatcher="allgather").max_flops == AUTO_MAX_FLOPS  # every rank gets all tokens: fixed shapes
+    assert graphs(1, dispatcher="alltoall").max_flops == AUTO_MAX_FLOPS  # ep=1 dispatches locally
+    assert graphs(2, dispatcher="alltoall", cuda_graph=True).max_flops is None  # asked for: graphed where it can be
+    layer = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, dispatcher="alltoall"),
+                               ep_rank=1, ep_size=2)
+    assert layer.expert_graphs is None and "graphs" not in getattr(layer.experts_fn, "keywords", {})
+
+
 @pytest.mark.parametrize("given,stored", [(True, "true"), (False, "false"), ("True", "true"), ("AUTO", "auto")])
 def test_cuda_graph_takes_hydra_booleans(given, stored):
     assert MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph=given).cuda_graph == stored

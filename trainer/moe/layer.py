@@ -129,10 +129,14 @@ def auto_experts(x_TD: torch.Tensor, *args, fuse_grad_accumulation: bool = False
     return experts_reference(x_TD, *args, **kwargs)
 
 
-def expert_graphs(cfg: MoEConfig) -> "ExpertGraphs | None":
+def expert_graphs(cfg: MoEConfig, ep_size: int = 1) -> "ExpertGraphs | None":
     """model.moe.cuda_graph: a layer's capture-and-replay of its expert stage (kernels/moe_graph.py), or None. auto
-    gives one that graphs small calls only, and none where the experts are not the bf16 kernels."""
-    if cfg.cuda_graph == "false" or (cfg.cuda_graph == "auto" and (cfg.impl == "reference" or cfg.precision != "bf16")):
+    gives one that graphs small calls only, and none where the experts are not the bf16 kernels or where the calls
+    change shape every step (the alltoall dispatcher's received rows): a graph per shape seen would only be captured,
+    held, and rarely replayed."""
+    varying_shapes = ep_size > 1 and cfg.dispatcher == "alltoall"
+    if cfg.cuda_graph == "false" or (cfg.cuda_graph == "auto" and (cfg.impl == "reference" or cfg.precision != "bf16"
+                                                                   or varying_shapes)):
         return None
     from moe_launch.kernels.moe_graph import AUTO_MAX_FLOPS, ExpertGraphs
     return ExpertGraphs(max_flops=AUTO_MAX_FLOPS if cfg.cuda_graph == "auto" else None)
@@ -161,7 +165,7 @@ class MoELayer(nn.Module):
         for p in (self.w_gate_EFD, self.w_up_EFD, self.w_down_EDF):
             p._moe_expert = True  # optimizers and checkpoints treat expert weights as EP-sharded
         # the CUDA graphs read this layer's weights by address: one set per layer
-        self.expert_graphs = expert_graphs(cfg)
+        self.expert_graphs = expert_graphs(cfg, ep_size)
         self.experts_fn: ExpertsFn = resolve_experts_fn(cfg.impl, cfg.precision, cfg.grad_accumulation_fusion,
                                                         self.expert_graphs, cfg.grouped_gemm)
         self.dispatcher = local_dispatch
