@@ -85,10 +85,13 @@ def test_without_a_gradient_buffer_autograd_accumulates(gen):
 
 
 def test_the_config_flag_reaches_the_kernels():
-    on = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, impl="fast"))
+    on = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, impl="fast", cuda_graph="false"))
     assert on.experts_fn.func is fast_experts and on.experts_fn.keywords == {"fuse_grad_accumulation": True}
+    graphed = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, impl="fast"))
+    assert graphed.experts_fn.func is fast_experts
+    assert graphed.experts_fn.keywords == {"fuse_grad_accumulation": True, "graphs": graphed.expert_graphs}
     off = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8, impl="fast",
-                                           grad_accumulation_fusion=False))
+                                           grad_accumulation_fusion=False, cuda_graph="false"))
     assert off.experts_fn is fast_experts
     auto = layer_mod.MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_hidden=8))
     assert auto.experts_fn.func is layer_mod.auto_experts
