@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/python -m pip install -q --upgrade pip
 	@if ! $(BIN)/python -c 'import torch' 2>/dev/null; then $(BIN)/python -m pip install -q torch==2.13.0; fi
 	$(BIN)/python -m pip install -q -e .
+	@$(BIN)/python -m moe_launch.kernels.interpreter_check >/dev/null 2>&1 || { \
+	  echo "[make] this Triton's interpreter (the kernels' CPU path) needs numpy<2.4: installing it into the venv"; \
+	  $(BIN)/python -m pip install -q "numpy<2.4"; $(BIN)/python -m moe_launch.kernels.interpreter_check || true; }
 	@touch $@
 
 $(TEST_STAMP): $(STAMP)

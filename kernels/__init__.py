@@ -18,7 +18,8 @@ its own [e_start, e_end) and call fast_experts on them: pairs routed elsewhere c
 Triton decides once, when `triton` is first imported, whether `@triton.jit` compiles or interprets (it reads
 TRITON_INTERPRET then; the standard library's own jit functions such as tl.sum are decorated at that moment). On a
 host without a CUDA device compiled kernels cannot run at all, so if triton is not imported yet we ask for the
-interpreter before the kernel modules import it. On a GPU host nothing is changed.
+interpreter before the kernel modules import it. On a GPU host nothing is changed. interpreter_check.py says whether
+the interpreter runs under this environment's numpy (Triton < 3.7 does not under numpy >= 2.4).
 """
 
 import os

@@ -12,6 +12,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 
+from .interpreter_check import INTERPRETER_NUMPY_FIX, NUMPY_ERROR
+
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     # the arguments are looked at only once a launch has failed: a layer call launches dozens of kernels, and on
@@ -26,6 +28,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
                 "Set TRITON_INTERPRET=1 before anything imports triton (or import moe_launch.kernels first), "
                 "or use model.moe.impl=reference on machines without a GPU."
             ) from e
+        if not isinstance(kernel, JITFunction) and NUMPY_ERROR in str(e):
+            raise RuntimeError(f"Triton kernel {kernel.fn.__name__}: {INTERPRETER_NUMPY_FIX}") from e
         raise
 
 

@@ -50,7 +50,8 @@ def _round_e4m3(v):
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) != 0.0), r - 1.0, r)  # a tie goes to even
     negative = v.to(tl.int32, bitcast=True) < 0  # the sign bit, so that -0.0 stays -0.0 as in the cast
-    return tl.where(negative, -(r * step), r * step)
+    # a product keeps the sign of a zero; Triton 3.6's interpreter negates as 0 - x, which gives +0.0
+    return tl.where(negative, -1.0, 1.0) * (r * step)
 
 
 @triton.jit

@@ -5,6 +5,7 @@
   reason, except in CI (CI=true), where a missing cluster fails the run instead of passing silently.
 * `tmp_run_dir`: a fresh, made run directory (moe_launch.rundir.RunDir) under tmp_path.
 * autouse: OMP_NUM_THREADS=1 (the CI machine has 2 cores shared by every process of the suite).
+* The host's GPUs are hidden from the suite's processes (tests/helpers_gpu.py); GPU tests run scripts in children.
 * `free_port()` lives in tests/helpers_net.py; it is re-exported here as a fixture-free import for convenience.
 """
 
@@ -21,14 +22,19 @@ from pathlib import Path
 
 import pytest
 
+TESTS_DIR = Path(__file__).resolve().parent
+if str(TESTS_DIR) not in sys.path:  # so `from slurm.helpers import ...` and `from helpers_net import ...` work
+    sys.path.insert(0, str(TESTS_DIR))
+
+from helpers_gpu import hide_host_gpus  # noqa: E402
+
+# Before CUDA can be initialised: the suite runs the CPU paths on every host (helpers_gpu.py says why).
+hide_host_gpus()
+
 # Triton picks compiled or interpreted once, at its first import; torch._dynamo (a compile test) imports it too. On a
 # host without CUDA the kernels' package asks for the interpreter when it comes first, so it comes first here: which
 # test a worker happens to run first must not decide whether the kernels can run at all.
 import moe_launch.kernels  # noqa: E402,F401
-
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:  # so `from slurm.helpers import ...` and `from helpers_net import ...` work
-    sys.path.insert(0, str(TESTS_DIR))
 
 # The suite's health history, quarantine list and all-to-all baselines live in a directory of its own (the config's
 # defaults follow XDG_DATA_HOME / XDG_CONFIG_HOME): nodes blamed by one test run must not be quarantined for the

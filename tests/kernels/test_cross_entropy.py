@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_gpu import host_has_gpu
 from kernel_helpers import run_compiled
 
 from moe_launch.kernels.cross_entropy import softmax_xent_
@@ -67,7 +68,7 @@ def test_rows_must_be_contiguous():
         softmax_xent_(logits_VC.t(), y_C[:4], IGNORE_INDEX, write_grad=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernel)")
+@pytest.mark.skipif(not host_has_gpu(), reason="needs a CUDA GPU (the compiled kernel)")
 def test_compiled_kernel_in_the_chunked_head_on_the_gpu():
     """gpu_cross_entropy.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
     out = run_compiled("gpu_cross_entropy.py")

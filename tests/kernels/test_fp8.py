@@ -5,13 +5,13 @@ model.moe.precision checks. The fast GEMM (torch._scaled_grouped_mm, sm90) is ch
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_gpu import host_gpu_capability, host_gpu_env
 from kernel_helpers import random_idx, rel_err
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
@@ -336,12 +336,10 @@ def test_sizes_that_keep_the_expert_gemms_off_cutlass_are_named():
     layer_mod.warn_slow_expert_sizes(odd, torch.device("cpu"), torch.bfloat16)  # not a GPU: nothing to say
 
 
-@pytest.mark.skipif(not fp8.fp8_gemm_supported("cuda") if torch.cuda.is_available() else True,
-                    reason="needs an sm90 GPU (torch._scaled_grouped_mm)")
+@pytest.mark.skipif(host_gpu_capability() != (9, 0), reason="needs an sm90 GPU (torch._scaled_grouped_mm)")
 def test_presented_rows_on_the_gpu():
     """The compiled path with producer buffers longer than the plan's rows: gpu_fp8_presented.py in a process
     without TRITON_INTERPRET (this folder's tests interpret Triton)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_fp8_presented.py"))], env=env,
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_fp8_presented.py"))], env=host_gpu_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout[-2000:] + proc.stderr[-4000:]

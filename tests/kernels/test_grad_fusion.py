@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_gpu import host_has_gpu
 from kernel_helpers import random_idx, rel_err, run_compiled
 
 from moe_launch.conf.schema import MoEConfig
@@ -99,8 +100,7 @@ def test_the_config_flag_reaches_the_kernels():
     assert ref.experts_fn is layer_mod.experts_reference
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="needs an sm90 GPU (TMA reads)")
+@pytest.mark.skipif(not host_has_gpu(9), reason="needs an sm90 GPU (TMA reads)")
 def test_tma_epilogue_add_on_the_gpu():
     """The compiled kernel (this folder's tests interpret Triton, which has no TMA): gpu_wgrad_add.py in a process
     without TRITON_INTERPRET."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_gpu import host_has_gpu
 from kernel_helpers import random_idx, rel_err, run_compiled
 
 from moe_launch.kernels import fp8
@@ -119,8 +120,7 @@ def test_the_shape_choice():
     assert tma.choose(64, 32, 16, 8, scaled=False) is None
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9),
-                    reason="needs an sm90 GPU")
+@pytest.mark.skipif(not host_has_gpu(9), reason="needs an sm90 GPU")
 def test_compiled_kernel_on_the_gpu():
     out = run_compiled("gpu_grouped_gemm_tma.py")
     assert out.startswith("ok"), out

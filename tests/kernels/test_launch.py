@@ -8,8 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import torch
-
 _SCRIPT = textwrap.dedent("""
     import triton
     import triton.language as tl
@@ -29,8 +27,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_compiled_kernel_on_cpu_tensors_says_how_to_run_on_the_cpu(tmp_path):
-    if torch.cuda.is_available():
-        return  # a GPU host launches compiled kernels on CPU tensors only by mistake; the check is for CPU hosts
+    # the child sees no GPU on any host (tests/helpers_gpu.py hides them from the suite): a CPU host's situation
     script = tmp_path / "launch_on_cpu.py"  # @triton.jit needs its function's source file
     script.write_text(_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

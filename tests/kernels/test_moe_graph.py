@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers_gpu import host_has_gpu
 from kernel_helpers import run_compiled
 
 from moe_launch.conf.schema import MoEConfig
@@ -251,7 +252,7 @@ def test_unknown_cuda_graph_value_names_the_key_and_the_choices():
         MoEConfig(num_experts=4, top_k=2, expert_hidden=8, cuda_graph="yes")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (capture and replay)")
+@pytest.mark.skipif(not host_has_gpu(), reason="needs a CUDA GPU (capture and replay)")
 def test_graphs_replay_bit_for_bit_on_the_gpu():
     """gpu_moe_graph.py in a process without TRITON_INTERPRET (this folder's tests interpret Triton)."""
     out = run_compiled("gpu_moe_graph.py")
