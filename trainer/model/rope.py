@@ -13,6 +13,11 @@ the fp32 arithmetic of upcasting x first, in four kernels.
 The backward is the inverse rotation (the transpose of a rotation is the rotation by -angle): with S the half swap
 (symmetric) and S(sin_signed) = -sin_signed, grad_x = g * cos - S(g) * sin_signed, the same four kernels, instead of
 autograd replaying the forward's mixed-dtype graph (about twice as many passes). Both run in fp32 as above.
+
+Under torch.compile (`train.compile`) the formula goes to autograd instead: Inductor derives and fuses the backward
+itself, and the hand-written one would only constrain it. torch 2.11 also mishandles this Function inside a compiled
+graph: the backward it compiles is wrong in fp32 (the forward returns its own intermediate through a no-op cast), and a
+recomputed attention sublayer keeps the rotated q and k.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ class _RotaryFn(torch.autograd.Function):
 def apply_rotary(x_BHSDh: torch.Tensor, cos_SDh: torch.Tensor, sin_signed_SDh: torch.Tensor) -> torch.Tensor:
     """Rotate x by the angles of the first S rows of the tables (sin with rotate_half's sign folded in)."""
     S = x_BHSDh.shape[-2]
+    if torch.compiler.is_compiling():
+        return _rotate(x_BHSDh, cos_SDh[:S], sin_signed_SDh[:S], 1.0)
     return _RotaryFn.apply(x_BHSDh, cos_SDh[:S], sin_signed_SDh[:S])
 
 
