@@ -5,8 +5,8 @@ is fixed by torch's (torch 2.11 pins 3.6), so the remedy is numpy < 2.4 in that 
 
     python -m moe_launch.kernels.interpreter_check      # exit 0: it runs; 1: it does not, and what to do
 
-`make venv-test` runs this and installs numpy < 2.4 into the venv when it fails. `INTERPRETER_NUMPY_FIX` is also the
-advice of kernels/_launch.py when a launch fails this way.
+`make` runs this when it builds the venv, and installs numpy < 2.4 into it when it fails. `INTERPRETER_NUMPY_FIX` is
+also the advice of kernels/_launch.py when a launch fails this way.
 """
 
 from __future__ import annotations
