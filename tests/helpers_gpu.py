@@ -4,8 +4,8 @@ The suite is the CPU suite wherever it runs: multi-rank tests start gloo ranks, 
 tensors, and results are compared bit for bit with CPU runs. On a GPU host the trainer would otherwise pick CUDA on
 its own (trainer/dist.py) and start NCCL with several ranks on one GPU, which NCCL refuses. So tests/conftest.py hides
 the GPUs from every process of the suite (`hide_host_gpus`, before torch is imported), and the tests that exercise a
-GPU run a script in a child process that gets the host's devices back (`host_gpu_env`), skipping where
-`host_gpu_capability()` finds none.
+GPU run a script in a child process that gets the host's devices back (`run_on_host_gpu`, `host_gpu_env`), skipping
+where `host_gpu_capability()` finds none.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import os
 import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 # What CUDA_VISIBLE_DEVICES was before the suite hid the GPUs; UNSET when it was not set at all.
@@ -42,6 +44,15 @@ def host_gpu_env(base: Optional[dict] = None) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = saved
     return env
 
+
+
+def run_on_host_gpu(script: Path) -> str:
+    """Run a test folder's `script` in a child with the host's GPUs and compiled Triton (`host_gpu_env`); assert it
+    exited 0 and return its stdout."""
+    proc = subprocess.run([sys.executable, str(script)], env=host_gpu_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 @functools.lru_cache(maxsize=1)
 def host_gpu_capability() -> Optional[tuple[int, int]]:

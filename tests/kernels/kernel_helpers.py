@@ -3,12 +3,10 @@ running a script of this folder with Triton compiling rather than interpreting."
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from helpers_gpu import host_gpu_env
+from helpers_gpu import run_on_host_gpu
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -27,8 +25,4 @@ def random_idx(T: int, K: int, num_experts: int, gen: torch.Generator, skip: ran
 def run_compiled(script: str) -> str:
     """Run this folder's `script` on the host's GPU, in a process without TRITON_INTERPRET (the tests here interpret
     Triton, and a mode is fixed when triton is imported); assert it exited 0 and return its stdout."""
-    env = host_gpu_env()
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return run_on_host_gpu(Path(__file__).with_name(script))

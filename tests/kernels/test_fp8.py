@@ -5,14 +5,10 @@ model.moe.precision checks. The fast GEMM (torch._scaled_grouped_mm, sm90) is ch
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from helpers_gpu import host_gpu_capability, host_gpu_env
-from kernel_helpers import random_idx, rel_err
+from helpers_gpu import host_gpu_capability
+from kernel_helpers import random_idx, rel_err, run_compiled
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.errors import ConfigError
@@ -340,6 +336,5 @@ def test_sizes_that_keep_the_expert_gemms_off_cutlass_are_named():
 def test_presented_rows_on_the_gpu():
     """The compiled path with producer buffers longer than the plan's rows: gpu_fp8_presented.py in a process
     without TRITON_INTERPRET (this folder's tests interpret Triton)."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_fp8_presented.py"))], env=host_gpu_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok "), proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = run_compiled("gpu_fp8_presented.py")
+    assert out.startswith("ok "), out

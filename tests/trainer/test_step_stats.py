@@ -1,13 +1,11 @@
 """A logged step's values are copied to the host ahead of the optimizer update and read without waiting for it."""
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers_gpu import host_gpu_env, host_has_gpu
+from helpers_gpu import host_has_gpu, run_on_host_gpu
 
 from moe_launch.trainer.step_stats import start_copy
 
@@ -53,6 +51,4 @@ def test_dense_model_has_no_layers_and_no_counts():
 @pytest.mark.skipif(not host_has_gpu(), reason="needs a CUDA device")
 def test_reading_back_does_not_wait_for_work_queued_after_the_copy():
     """gpu_step_stats.py in a process with the host's GPU (the suite's own processes see none)."""
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("gpu_step_stats.py"))], env=host_gpu_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.startswith("ok step stats"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert run_on_host_gpu(Path(__file__).with_name("gpu_step_stats.py")).startswith("ok step stats")
