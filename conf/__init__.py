@@ -1,1 +1,2 @@
-"""Typed configuration (schema.py, presets.py) and its Hydra registration (store.py, imported only at the edge)."""
+"""Typed configuration (schema.py, with model.moe in moe_schema.py; presets.py) and its Hydra registration (store.py,
+imported only at the edge)."""

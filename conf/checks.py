@@ -1,6 +1,7 @@
 """The config checks: one bad value is a ConfigError naming the dotted key, the problem and the fix (`require`);
 inside `all_problems()` they are collected so that every bad value is reported at once. `validate_cross` holds the
-checks that involve more than one group. conf/schema.py calls them from its dataclasses' `__post_init__`.
+checks that involve more than one group. conf/schema.py and conf/moe_schema.py call them from their dataclasses'
+`__post_init__`.
 """
 
 from __future__ import annotations
