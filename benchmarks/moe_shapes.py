@@ -9,7 +9,8 @@ bf16, ours FP8 (sm90 only; the weights quantized in every call, and reused as by
 training step), ours bf16 with the expert weights' gradients added to .grad buffers inside the backward (the
 trainer's model.moe.grad_accumulation_fusion) eager and replayed from CUDA graphs (model.moe.cuda_graph,
 kernels/moe_graph.py), and the naive pipeline (argsort + gather + 3x torch._grouped_mm + index_add) in bf16.
---only picks shapes by name; --set models runs published models' expert shapes instead (model_shapes()).
+--only picks shapes by name; --set models runs published models' expert shapes instead (model_shapes()); --shape
+T,D,F,E,K (repeatable) runs the shapes given instead, for a layer checked at shapes of one's own choosing.
 Each row is checked first (relative L2 error of y and of every gradient vs the naive row; bf16 <= 1e-2, FP8 <= 1e-1),
 then timed as forward + y.backward(dy) (triton.testing.do_bench, median ms). On CUDA each row also gives the peak
 memory one call holds above the inputs, weights and gradient buffers.
@@ -86,6 +87,18 @@ def model_shapes() -> list[Shape]:
         Shape("odd token count: T 3000 (OLMoE dims)", Dims(T=3000, D=2048, F=1024, E=64, K=8)),
         Shape("few tokens: T 2048 (OLMoE dims)", Dims(T=2048, D=2048, F=1024, E=64, K=8)),
     ]
+
+
+def parse_shape(text: str) -> Shape:
+    """`--shape T,D,F,E,K`: tokens, model dim, expert hidden size, experts, top-k. Pure; ValueError names the fault."""
+    parts = text.replace(" ", "").split(",")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shape takes five positive integers T,D,F,E,K (tokens, model dim, expert hidden size, "
+                         f"experts, top-k), got {text!r}")
+    T, D, F, E, K = map(int, parts)
+    if K > E:
+        raise ValueError(f"--shape {text!r}: top-k {K} is more than the {E} experts")
+    return Shape(f"T {T}, D {D}, F {F}, {E} experts, top-{K}", Dims(T=T, D=D, F=F, E=E, K=K))
 
 
 def shapes(smoke: bool, which: str = "common") -> list[Shape]:
@@ -300,6 +313,9 @@ def main() -> None:
     ap.add_argument("--set", dest="which", choices=("common", "models"), default="common",
                     help="common: the common shapes; models: published models' expert shapes (--smoke: the same "
                          "tiny shapes either way)")
+    ap.add_argument("--shape", action="append", default=[], metavar="T,D,F,E,K",
+                    help="run this shape (repeatable) instead of a set: tokens, model dim, expert hidden size, "
+                         "experts, top-k")
     ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     ap.add_argument("--profile", action="store_true",
                     help="per-kernel CUDA time of our rows (torch.profiler) beside the timed wall time")
@@ -311,7 +327,12 @@ def main() -> None:
     args = ap.parse_args()
     if any(r not in ROW_KEYS for r in args.rows.split(",") if r):
         ap.error(f"--rows takes names of {sorted(ROW_KEYS)}, got {args.rows!r}")
-    stem = "moe_shapes" + ("" if args.which == "common" else f"-{args.which}") + (
+    try:
+        given = [parse_shape(s) for s in args.shape]
+    except ValueError as e:
+        ap.error(str(e))
+    which = "given" if given else args.which
+    stem = "moe_shapes" + ("" if which == "common" else f"-{which}") + (
         "" if args.gemm_impl == "auto" else f"-{args.gemm_impl}")
     log = file_log(args.out, f"{stem}.log")
 
@@ -340,7 +361,8 @@ def main() -> None:
 
     results = {}
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    for shape in (s for s in shapes(args.smoke, args.which) if not wanted or any(w in s.name for w in wanted)):
+    chosen = given or shapes(args.smoke, args.which)
+    for shape in (s for s in chosen if not wanted or any(w in s.name for w in wanted)):
         t0 = time.perf_counter()
         try:
             results[shape.name] = run_shape(shape, device, dtype, fp8, args.rep_ms, log, args.profile,

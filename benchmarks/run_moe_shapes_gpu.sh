@@ -7,13 +7,23 @@
 # table.
 # MOE_SHAPES_S: the benchmark's time limit (seconds); MOE_SHAPES_ONLY: comma-separated name parts of the shapes to
 # run (all when unset), e.g. "OLMoE-1B-7B,T 1024".
+#   run_moe_shapes_gpu.sh given T,D,F,E,K ...   the layer at the shapes given instead (no GEMM sweep), with the rows
+#                                                of MOE_SHAPES_ROWS (default bf16,fp8-reused,graph)
 source "$(dirname "$0")/gpu_env.sh"
 python3 -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(),
       torch.cuda.get_device_capability())' | tee "$OUT/versions.txt"
-run fp8_gemms 150 python3 benchmarks/fp8_gemms.py --out "$OUT"
-run moe_shapes "${MOE_SHAPES_S:-300}" python3 benchmarks/moe_shapes.py --out "$OUT" --only "${MOE_SHAPES_ONLY:-}"
-grep -v "kernel:" "$OUT/fp8_gemms.log" | cut -c1-300
-log="$OUT/moe_shapes.log"
+if [ "${1:-}" = given ]; then
+  shift
+  args=(); for s in "$@"; do args+=(--shape "$s"); done
+  run moe_shapes-given-stdout "${MOE_SHAPES_S:-300}" python3 benchmarks/moe_shapes.py --out "$OUT" \
+    --rows "${MOE_SHAPES_ROWS:-bf16,fp8-reused,graph}" --rep-ms 300 "${args[@]}"
+  log="$OUT/moe_shapes-given.log"
+else
+  run fp8_gemms 150 python3 benchmarks/fp8_gemms.py --out "$OUT"
+  run moe_shapes "${MOE_SHAPES_S:-300}" python3 benchmarks/moe_shapes.py --out "$OUT" --only "${MOE_SHAPES_ONLY:-}"
+  grep -v "kernel:" "$OUT/fp8_gemms.log" | cut -c1-300
+  log="$OUT/moe_shapes.log"
+fi
 grep -E "check |ERROR|failed|Error|^dense bf16|load \{|\([0-9.]+ s\)" "$log" | cut -c1-400
 sed -n '/^dense rates measured/,$p' "$log"
 cat "$OUT/gpus.txt"
