@@ -231,13 +231,12 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
 
 
 # torch's sm90 FP8 grouped GEMM picks its CUTLASS tile from the mean rows per group m = rows / groups and the GEMM's
-# K and N: "large" (two of m, K, N >= 2048) gets 128x128x128 tiles, other shapes with m, N > 128 get 128x256x64,
-# which with fp32 promotion (use_fast_accum=False) runs at about half the rate. Handing it more rows (never read:
-# the groups end at offs[-1]) makes a GEMM with K or N >= 2048 "large" (benchmarks/fp8_gemms.py measures both).
+# K and N (grouped_gemm_tma.CUTLASS_FP8_LARGE_DIM says how). Handing it more rows (never read: the groups end at
+# offs[-1]) makes a GEMM with K or N >= 2048 "large" (benchmarks/fp8_gemms.py measures both).
 # The presented rows cost memory while the GEMM runs (a with that many rows and torch's output; no compute): at most
 # MAX_PRESENTED_FACTOR times the real ones, which covers 512 rows per group and more. Producers that know the count
 # (kernels/moe.py _Fp8Gemms.presented) write a into a buffer that long, so that a is not copied to present it.
-LARGE_TILE_DIM = 2048
+LARGE_TILE_DIM = tma.CUTLASS_FP8_LARGE_DIM
 MAX_PRESENTED_FACTOR = 4
 
 

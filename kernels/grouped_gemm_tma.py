@@ -58,13 +58,21 @@ def default_tiles(scaled: bool) -> Tiles:
 # what was measured stay on CUTLASS.
 MIN_ROWS_PER_EXPERT, MAX_ROWS_PER_EXPERT = 512, 1024
 MAX_DIM = 2048  # of K and M
+# torch's sm90 FP8 grouped GEMM runs 128x128x128 tiles only where two of (rows per group, K, M) are at least this;
+# elsewhere 128x256x64, which with fp32 promotion runs at about half the rate (benchmarks/fp8_gemms.py). Rows can be
+# presented to it (kernels/fp8.py rows_to_present), so a GEMM with K or M this large gets the fast tile; one with both
+# below it never does, and our kernel takes it at any rows per expert from MIN_ROWS_PER_EXPERT on.
+CUTLASS_FP8_LARGE_DIM = 2048
 
 
 def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
     """The tile for an a [N, K] @ b [E, K, M] grouped GEMM (N rows over E experts), or None where torch's CUTLASS
     kernel ran as fast or faster at such shapes, or nobody measured. Pure."""
     rows_per_expert = N // max(E, 1)
-    if not MIN_ROWS_PER_EXPERT <= rows_per_expert <= MAX_ROWS_PER_EXPERT or max(K, M) > MAX_DIM:
+    cutlass_slow_tile = scaled and max(K, M) < CUTLASS_FP8_LARGE_DIM
+    max_rows = None if cutlass_slow_tile else MAX_ROWS_PER_EXPERT
+    if (rows_per_expert < MIN_ROWS_PER_EXPERT or (max_rows is not None and rows_per_expert > max_rows)
+            or max(K, M) > MAX_DIM):
         return None
     tiles = default_tiles(scaled)
     # one software pipeline over a program's tiles helps where K is short (the epilogue is a larger share)

@@ -120,6 +120,20 @@ def test_the_shape_choice():
     assert tma.choose(64, 32, 16, 8, scaled=False) is None
 
 
+def test_fp8_takes_our_kernel_where_cutlass_gets_only_its_slow_tile():
+    """torch's FP8 grouped GEMM runs its fast tile only where two of (rows per expert, K, M) reach 2048; presenting
+    rows supplies one of the two. With K and M both below 2048 (a model dim of 1536 and experts of 512, Granite-like)
+    no presenting helps: our kernel takes the FP8 GEMMs there at any rows per expert from 512 on; bf16 is unchanged."""
+    granite = 16384 * 8  # 3277 rows per expert over 40
+    for K, M in ((1536, 1024), (512, 1536), (1536, 512), (1024, 1536)):  # gate+up, down, dh, dx
+        assert fp8.rows_to_present(granite, 40, K, M) == granite  # nothing CUTLASS could be handed
+        assert tma.choose(granite, K, M, 40, scaled=True) is not None
+        assert tma.choose(granite, K, M, 40, scaled=False) is None
+    assert tma.choose(granite, 512, 1536, 40, scaled=True).flatten  # short K: one pipeline over the tiles
+    assert tma.choose(16384 * 8, 2048, 1024, 64, scaled=True) is None  # OLMoE at 16k: CUTLASS's large tile
+    assert tma.choose(256 * 8, 1536, 1024, 40, scaled=True) is None  # 51 rows per expert: not measured
+
+
 @pytest.mark.skipif(not host_has_gpu(9), reason="needs an sm90 GPU")
 def test_compiled_kernel_on_the_gpu():
     out = run_compiled("gpu_grouped_gemm_tma.py")
