@@ -271,7 +271,7 @@ def host_breakdown(step, log, label: str = "", iters: int = 20, top: int = 12) -
 
 def table(results: dict, dense: dict) -> list[str]:
     lines = [f"dense rates measured in this run: bf16 {dense['bf16']:.0f}, FP8 {dense['fp8']:.0f} TFLOP/s; spec "
-             f"(H200 SXM): bf16 {SPEC_TFLOPS['bf16']:.0f}, FP8 {SPEC_TFLOPS['fp8']:.0f}",
+             f"(H100/H200 SXM): bf16 {SPEC_TFLOPS['bf16']:.0f}, FP8 {SPEC_TFLOPS['fp8']:.0f}",
              "| shape | T, D, F, E, top-k | load max/mean | impl | fwd+bwd ms (median) | expert TFLOP/s | MFU vs spec "
              "| % of measured dense | speed-up vs naive bf16 (same grad handling) | max rel err vs naive (y / grads) "
              "| peak MiB above the inputs |",

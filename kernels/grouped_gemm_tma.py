@@ -61,7 +61,8 @@ MAX_DIM = 2048  # of K and M
 # torch's sm90 FP8 grouped GEMM runs 128x128x128 tiles only where two of (rows per group, K, M) are at least this;
 # elsewhere 128x256x64, which with fp32 promotion runs at about half the rate (benchmarks/fp8_gemms.py). Rows can be
 # presented to it (kernels/fp8.py rows_to_present), so a GEMM with K or M this large gets the fast tile; one with both
-# below it never does, and our kernel takes it at any rows per expert from MIN_ROWS_PER_EXPERT on.
+# below it never does, and our kernel takes it at any rows per expert from MIN_ROWS_PER_EXPERT on (benchmarks/
+# RESULTS.md, "The layer at shapes it was never run at").
 CUTLASS_FP8_LARGE_DIM = 2048
 
 
