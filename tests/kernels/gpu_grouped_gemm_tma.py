@@ -1,8 +1,9 @@
 """The compiled persistent TMA grouped GEMM on an sm90 GPU: random uneven routing with empty experts and rows past
 the last expert's filled with NaN, each tile the layer may choose, bf16 with b in both layouts and e4m3 with scales,
 against fp32 products; the fused SwiGLU GEMMs (kernels/swiglu_gemm.py) with their default tiles against fp32
-products and the unfused SwiGLU kernels; then the expert layer with gemm_impl="tma" against gemm_impl="torch"
-(CUTLASS), bf16 (the fused kernels) and FP8, output and every gradient. Run by test_grouped_gemm_tma.py in a
+products and the unfused SwiGLU kernels; K and M that end inside a tile; then the expert layer with gemm_impl="tma"
+against gemm_impl="torch" (CUTLASS), bf16 (the fused kernels) and FP8, output and every gradient, and a small layer
+whose FP8 GEMMs "auto" gives our kernel, against CUTLASS. Run by test_grouped_gemm_tma.py in a
 process without TRITON_INTERPRET; prints one line starting "ok" or "FAIL", exits non-zero on a failure."""
 
 from __future__ import annotations
@@ -78,6 +79,33 @@ def gemm_errors(gen: torch.Generator) -> dict[str, float]:
     return errs
 
 
+def tail_errors(gen: torch.Generator) -> dict[str, float]:
+    """K and M that are not multiples of the tiles, one of them below a whole K step: the descriptors' out-of-range
+    loads must read zeros and the partial column tiles must not be stored past M."""
+    errs = {}
+    for K, M in ((80, 48), (1040, 528)):
+        E = 5
+        counts_E = torch.randint(300, 900, (E,), generator=gen).to(torch.int32).cuda()
+        offsets_E1 = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        offsets_E1[1:] = torch.cumsum(counts_E, 0)
+        R = int(offsets_E1[-1])
+        a = torch.randn(R, K, generator=gen).cuda().bfloat16()
+        w = (0.05 * torch.randn(E, M, K, generator=gen)).cuda().bfloat16()
+        aq, as_ = fp8.quantize_rows(a)
+        bq, bs = fp8.quantize_operand(w.transpose(1, 2))
+        ref_k = torch.cat([a[lo:hi].float() @ w[e].float().t() for e, (lo, hi) in
+                           enumerate(zip(offsets_E1[:-1].tolist(), offsets_E1[1:].tolist()))])
+        a32, b32 = fp8.dequantize_rows(aq, as_), bq.float() * bs[:, None, :]
+        ref_q = torch.cat([a32[lo:hi] @ b32[e] for e, (lo, hi) in
+                           enumerate(zip(offsets_E1[:-1].tolist(), offsets_E1[1:].tolist()))])
+        c = tma.grouped_mm_persistent(a, w.transpose(1, 2), counts_E, offsets_E1, tiles=tma.default_tiles(False))
+        errs[f"tail bf16 K {K} M {M}"] = rel(c[:R], ref_k)
+        for t in (tma.default_tiles(True), tma.choose(R, K, M, E, scaled=True)):
+            c = tma.grouped_mm_persistent(aq, bq, counts_E, offsets_E1, as_, bs, tiles=t)
+            errs[f"tail e4m3 K {K} M {M} {'flat' if t.flatten else 'g8'}"] = rel(c[:R], ref_q)
+    return errs
+
+
 def counting_calls() -> list[int]:
     """Count the launches of our kernels (the layer reaches them through module attributes), so that a layer whose
     two paths agree is known to have run both."""
@@ -95,8 +123,8 @@ def counting_calls() -> list[int]:
     return calls
 
 
-def layer_errors(gen: torch.Generator) -> dict[str, float]:
-    T, D, F, E, K = 4096, 2048, 1024, 64, 8
+def layer_errors(gen: torch.Generator, T=4096, D=2048, F=1024, E=64, K=8, impls=("tma", "torch"),
+                 label="layer") -> dict[str, float]:
     x = torch.randn(T, D, generator=gen).cuda().bfloat16().requires_grad_()
     idx = torch.randn(T, E, generator=gen).cuda().topk(K, -1).indices
     w = torch.rand(T, K, generator=gen).cuda().requires_grad_()
@@ -107,7 +135,7 @@ def layer_errors(gen: torch.Generator) -> dict[str, float]:
     calls = counting_calls()
     for precision in ("bf16", "fp8"):
         outs = []
-        for impl in ("tma", "torch"):
+        for impl in impls:
             for t in (x, w, *ws):
                 t.grad = None
             before = calls[0]
@@ -115,18 +143,22 @@ def layer_errors(gen: torch.Generator) -> dict[str, float]:
             y.backward(dy)
             # bf16: gate+up with SwiGLU, down, dh, dx; FP8: gate+up, down, dh, dx
             expected = 0 if impl == "torch" else 4
+            if impl == "auto":  # FP8 with K and M below 2048: all four on our kernel (choose); bf16 at 2048 rows per
+                expected = 4 if precision == "fp8" else 2  # expert: the fused gate+up and dx, down and dh on CUTLASS
             if calls[0] - before != expected:
                 raise SystemExit(f"FAIL: {precision} gemm_impl={impl} ran our kernel {calls[0] - before} times, "
                                  f"not {expected}")
             outs.append([y.detach()] + [t.grad for t in (x, w, *ws)])
         for name, a, b in zip(("y", "dx", "dw_TK", "dw_gate", "dw_up", "dw_down"), *outs):
-            errs[f"layer {precision} {name}"] = rel(a, b)
+            errs[f"{label} {precision} {name}"] = rel(a, b)
     return errs
 
 
 def main() -> None:
     gen = torch.Generator().manual_seed(0)
-    errs = {**gemm_errors(gen), **layer_errors(gen)}
+    errs = {**gemm_errors(gen), **tail_errors(gen), **layer_errors(gen),
+            # a small model (2048 rows per expert, dims of 256 and 128): auto against CUTLASS
+            **layer_errors(gen, T=4096, D=256, F=128, E=4, K=2, impls=("auto", "torch"), label="small layer")}
     # bf16 products against fp32: bf16 output rounding; e4m3 against its fp32 emulation: the same plus the order of
     # the fp32 sums; the two layers differ at most by their GEMMs' rounding (the e4m3 codes are the same; with the
     # same order of the K steps and the same promotion interval the sums can be bit-identical)
