@@ -289,27 +289,13 @@ def grouped_mm_wgrad(a_NM, b_NK, plan, impl: str = "auto") -> torch.Tensor:
     return grouped_mm_wgrad_reference(a_NM, b_NK, plan.offsets_E1)
 
 
-# Our weight-gradient kernel walks an expert's rows inside each output tile: with few rows per expert its tiles are
-# mostly prologue and epilogue. From 1024 rows per expert on it added into the buffer 5-11% faster than torch's GEMM
-# followed by an add (benchmarks/wgrad_accumulate.py); at 400 it took 1.6x as long (benchmarks/RESULTS.md, "The layer
-# at shapes it was never run at").
-WGRAD_ADD_MIN_ROWS_PER_EXPERT = 1024
-
-
-def add_in_epilogue(rows: int, experts: int) -> bool:
-    """Whether a gradient buffer takes its expert weight gradients in our kernel's epilogue (rather than torch's GEMM,
-    then an add) where both could run: rows is the row capacity, as the layer's other choices read it. Pure."""
-    return rows // max(experts, 1) >= WGRAD_ADD_MIN_ROWS_PER_EXPERT
-
-
 def grouped_mm_wgrad_add_(out_EMK: torch.Tensor, a_NM, b_NK, plan, impl: str = "auto") -> None:
     """out_EMK += grouped_mm_wgrad(a_NM, b_NK, plan): how a gradient buffer takes one micro-batch's expert weight
-    gradients. Where the torch path would run, our kernel can read the rows through TMA and the experts get enough
-    rows (add_in_epilogue), our kernel adds the old values in its epilogue. Elsewhere: the product, then an add.
-    impl "triton" always takes our kernel."""
+    gradients. Where the torch path would run and our kernel can read the rows through TMA, our kernel adds the old
+    values in its epilogue: about 10% faster than torch's GEMM followed by an add at the OLMoE shapes, though its
+    GEMM alone is slower (benchmarks/wgrad_accumulate.py). Elsewhere: the product, then an add."""
     impl = pick(impl, a_NM, b_NK)
-    if impl == "triton" or (impl == "torch" and tma_ok(a_NM, b_NK)
-                            and add_in_epilogue(a_NM.shape[0], out_EMK.shape[0])):
+    if impl == "triton" or (impl == "torch" and tma_ok(a_NM, b_NK)):
         grouped_mm_wgrad_triton(a_NM, b_NK, plan.offsets_E1, out_EMK=out_EMK)
     else:
         out_EMK += grouped_mm_wgrad(a_NM, b_NK, plan, impl)

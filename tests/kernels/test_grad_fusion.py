@@ -36,15 +36,6 @@ def test_wgrad_add_equals_old_plus_product(impl, gen):
     assert torch.equal(out[3:7], old[3:7])
 
 
-def test_the_epilogue_add_is_taken_where_experts_get_enough_rows():
-    """Our kernel adds into the buffer from 1024 rows per expert (the OLMoE trainer's 8k-token micro-batch and up);
-    with fewer, torch's GEMM and then an add (its tiles are then mostly prologue and epilogue)."""
-    assert grouped_gemm.add_in_epilogue(8192 * 8, 64) and grouped_gemm.add_in_epilogue(16384 * 8, 64)
-    assert grouped_gemm.add_in_epilogue(16384 * 8, 128)  # 128 fine-grained experts, 1024 rows each
-    assert not grouped_gemm.add_in_epilogue(6000 * 4, 60)  # 400 rows per expert
-    assert not grouped_gemm.add_in_epilogue(1024 * 8, 64) and not grouped_gemm.add_in_epilogue(64, 0)
-
-
 def layer_grads(fuse: bool, params, x, idx, w, dy, passes: int, impl: str):
     for _ in range(passes):  # micro-batches accumulate into whatever .grad holds
         y = fast_experts(x, idx, w, *params, gemm_impl=impl, fuse_grad_accumulation=fuse)
