@@ -236,20 +236,20 @@ def fp8_gemm_supported(device: torch.device | str) -> bool:
 # The presented rows cost memory while the GEMM runs (a with that many rows and torch's output; no compute): at most
 # MAX_PRESENTED_FACTOR times the real ones, which covers 512 rows per group and more. Producers that know the count
 # (kernels/moe.py _Fp8Gemms.presented) write a into a buffer that long, so that a is not copied to present it.
-LARGE_TILE_DIM = tma.CUTLASS_FP8_LARGE_DIM
 MAX_PRESENTED_FACTOR = 4
 
 
 def rows_to_present(rows: int, groups: int, K: int, M: int) -> int:
     """How many rows to hand torch._scaled_grouped_mm for an a [rows, K] @ b [groups, K, M] GEMM so that it runs its
     128x128x128 tiles: `rows` itself where those are chosen anyway or cannot be (the small-shape tiles, or K and M
-    both below LARGE_TILE_DIM) or would take more than MAX_PRESENTED_FACTOR x the rows, else LARGE_TILE_DIM rows per
-    group. Pure."""
+    both below `big` = tma.CUTLASS_FP8_LARGE_DIM) or would take more than MAX_PRESENTED_FACTOR x the rows, else `big`
+    rows per group. Pure."""
+    big = tma.CUTLASS_FP8_LARGE_DIM
     m = rows // max(groups, 1)
     small = m <= 128 or M <= 128
-    large = sum(v >= LARGE_TILE_DIM for v in (m, K, M)) >= 2
-    wanted = LARGE_TILE_DIM * groups
-    if small or large or max(K, M) < LARGE_TILE_DIM or wanted > MAX_PRESENTED_FACTOR * rows:
+    large = sum(v >= big for v in (m, K, M)) >= 2
+    wanted = big * groups
+    if small or large or max(K, M) < big or wanted > MAX_PRESENTED_FACTOR * rows:
         return rows
     return wanted
 

@@ -70,10 +70,9 @@ def choose(N: int, K: int, M: int, E: int, scaled: bool) -> Tiles | None:
     """The tile for an a [N, K] @ b [E, K, M] grouped GEMM (N rows over E experts), or None where torch's CUTLASS
     kernel ran as fast or faster at such shapes, or nobody measured. Pure."""
     rows_per_expert = N // max(E, 1)
-    cutlass_slow_tile = scaled and max(K, M) < CUTLASS_FP8_LARGE_DIM
-    max_rows = None if cutlass_slow_tile else MAX_ROWS_PER_EXPERT
-    if (rows_per_expert < MIN_ROWS_PER_EXPERT or (max_rows is not None and rows_per_expert > max_rows)
-            or max(K, M) > MAX_DIM):
+    cutlass_slow_tile = scaled and max(K, M) < CUTLASS_FP8_LARGE_DIM  # then no upper bound on the rows
+    too_many_rows = rows_per_expert > MAX_ROWS_PER_EXPERT and not cutlass_slow_tile
+    if rows_per_expert < MIN_ROWS_PER_EXPERT or too_many_rows or max(K, M) > MAX_DIM:
         return None
     tiles = default_tiles(scaled)
     # one software pipeline over a program's tiles helps where K is short (the epilogue is a larger share)

@@ -32,11 +32,7 @@ def test_moe_shapes_smoke(tmp_path):
 
 def test_model_shapes_are_not_the_common_ones():
     """--set models: published models' shapes the layer was not worked on; none repeats a common shape."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import moe_shapes
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    moe_shapes = _moe_shapes_module()
     common = {astuple(s.dims) for s in moe_shapes.shapes(False)}
     models = moe_shapes.shapes(False, "models")
     assert models == moe_shapes.model_shapes() and len(models) == 7
