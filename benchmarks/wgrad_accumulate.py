@@ -2,7 +2,8 @@
 that adds in its epilogue.
 
 Run on one GPU (sm90):  PYTHONUNBUFFERED=1 python benchmarks/wgrad_accumulate.py --out $OUT
-`--smoke` runs a tiny fp32 version on the CPU (Triton interpreter) to check the script itself.
+`--smoke` runs a tiny fp32 version on the CPU (Triton interpreter) to check the script itself; `--only` picks shapes
+by name (comma-separated substrings).
 
 With gradient accumulation every micro-batch's expert weight gradients land in the flat bf16 gradient buffer. torch's
 grouped GEMM writes a new tensor, which autograd then adds to the buffer (reading both, writing one): three passes
@@ -114,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run the shapes whose name has one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
@@ -126,7 +128,10 @@ def main() -> None:
             "gpu": None if args.smoke else torch.cuda.get_device_name()}
     log(json.dumps(meta))
     results = {}
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     for sname, (T, D, F, E, K) in shapes(args.smoke).items():
+        if wanted and not any(w in sname for w in wanted):
+            continue
         log(f"{sname}: T {T}, D {D}, F {F}, E {E}, top-{K}")
         results[sname] = measure(T, D, F, E, K, args.smoke, log)
     with open(os.path.join(args.out, f"wgrad_accumulate-{stamp}.json"), "w") as f:

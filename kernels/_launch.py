@@ -46,3 +46,15 @@ def tma_allocator() -> None:
     launch of a kernel that makes them: Triton keeps it in a context variable, so one set in the autograd engine's
     device thread is not seen by a launch from the main thread (a CUDA graph capturing the backward there)."""
     triton.set_allocator(_scratch)
+
+
+def unit_of(*ints: int) -> int:
+    """The largest power of two up to 16 that divides every one of ints: the unit in which a kernel takes its row
+    strides and the length of its unit-stride dim. Triton knows of an integer argument only whether it is a multiple
+    of 16, so a row of 1,000 bf16 elements would otherwise be read and written one element at a time (ld/st.global.b16,
+    eight times the instructions of .v4). Such a kernel takes the ints divided by the unit and multiplies them back by
+    it as a constexpr, and the compiler sees the product's divisibility. Pure."""
+    unit = 16
+    while unit > 1 and any(int(i) % unit for i in ints):
+        unit //= 2
+    return unit

@@ -21,15 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels._launch import launch, next_pow2, unit_of
 
 
 @triton.jit
 def _softmax_xent_kernel(
     logits_ptr, y_ptr, loss_ptr,  # logits [C, V] (the gradient written over them if WRITE_GRAD); y [C]; loss fp32 [C]
     V, stride_row, ignore_index,
-    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, UNIT: tl.constexpr,
 ):
+    V, stride_row = V * UNIT, stride_row * UNIT  # passed divided by UNIT (_launch.unit_of): 16-byte vectors
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * stride_row
     y = tl.load(y_ptr + row)
@@ -65,6 +66,7 @@ def softmax_xent_(logits_CV: torch.Tensor, y_C: torch.Tensor, ignore_index: int,
     if C == 0:
         return loss_C
     BLOCK_V = min(next_pow2(V), 4096 if logits_CV.is_cuda else 1024)
-    launch(_softmax_xent_kernel, (C,), logits_CV, y_C, loss_C, V, logits_CV.stride(0), ignore_index,
-           WRITE_GRAD=write_grad, BLOCK_V=BLOCK_V, num_warps=8)
+    u = unit_of(V, logits_CV.stride(0))
+    launch(_softmax_xent_kernel, (C,), logits_CV, y_C, loss_C, V // u, logits_CV.stride(0) // u, ignore_index,
+           WRITE_GRAD=write_grad, BLOCK_V=BLOCK_V, UNIT=u, num_warps=8)
     return loss_C

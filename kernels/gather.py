@@ -12,15 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels._launch import launch, next_pow2, unit_of
 
 
 @triton.jit
 def _gather_kernel(
     x_ptr, row_token_ptr, out_ptr, num_rows_ptr,  # x [T, D]; row_token int32 [N]; out [N, D]; R int32 []
     D, stride_x, stride_out,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, UNIT: tl.constexpr,
 ):
+    # D and the strides arrive divided by UNIT (_launch.unit_of): rows moved in 16-byte vectors where D is a multiple
+    # of 8
+    D, stride_x, stride_out = D * UNIT, stride_x * UNIT, stride_out * UNIT
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     R = tl.load(num_rows_ptr)
@@ -43,8 +46,9 @@ def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: 
     BLOCK_D = min(next_pow2(D), 512)
     BLOCK_R = max(1, 4096 // BLOCK_D) if x_TD.is_cuda else max(1, 65536 // BLOCK_D)
     grid = (triton.cdiv(N, BLOCK_R), triton.cdiv(D, BLOCK_D))
-    launch(_gather_kernel, grid, x_TD, row_token_N, out_ND, num_rows, D, x_TD.stride(0), out_ND.stride(0),
-           BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4)
+    u = unit_of(D, x_TD.stride(0), out_ND.stride(0))
+    launch(_gather_kernel, grid, x_TD, row_token_N, out_ND, num_rows, D // u, x_TD.stride(0) // u,
+           out_ND.stride(0) // u, BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, UNIT=u, num_warps=4)
     return out_ND
 
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from moe_launch.kernels import grouped_gemm_tma as tma
-from moe_launch.kernels._launch import launch, next_pow2, tma_allocator
+from moe_launch.kernels._launch import launch, next_pow2, tma_allocator, unit_of
 
 
 @triton.jit
@@ -84,8 +84,11 @@ def _gmm_wgrad_kernel(
     M, K,
     s_an, s_am, s_bn, s_bk, s_ce, s_cm, s_ck,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    ACCUMULATE: tl.constexpr, TMA: tl.constexpr,
+    ACCUMULATE: tl.constexpr, TMA: tl.constexpr, UNIT: tl.constexpr,
 ):
+    # M, K and the row strides of a, b and c arrive divided by UNIT (_launch.unit_of): rows of c can then be read and
+    # written in 16-byte vectors where K is a multiple of 8 but not of 16
+    M, K, s_an, s_bn, s_ce, s_cm = M * UNIT, K * UNIT, s_an * UNIT, s_bn * UNIT, s_ce * UNIT, s_cm * UNIT
     # grid (K tiles, M tiles, E): blocks start x-fastest, so one expert's tiles run side by side and its rows are
     # read from L2
     k0 = tl.program_id(0) * BN
@@ -185,10 +188,12 @@ def grouped_mm_wgrad_triton(a_NM: torch.Tensor, b_NK: torch.Tensor, offsets_E1: 
     if t.tma:
         tma_allocator()
     grid = (triton.cdiv(K, t.BN), triton.cdiv(M, t.BM), E)
-    launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M, K, a_NM.stride(0), a_NM.stride(1),
-           b_NK.stride(0), b_NK.stride(1), *c_EMK.stride(), BM=t.BM, BN=t.BN, BR=t.BR,
-           IEEE=a_NM.dtype == torch.float32, UPCAST=not cuda, ACCUMULATE=out_EMK is not None, TMA=t.tma,
-           num_warps=t.num_warps, num_stages=t.num_stages)
+    s_ce, s_cm, s_ck = c_EMK.stride()
+    u = unit_of(M, K, a_NM.stride(0), b_NK.stride(0), s_ce, s_cm)
+    launch(_gmm_wgrad_kernel, grid, a_NM, b_NK, c_EMK, offsets_E1, M // u, K // u, a_NM.stride(0) // u,
+           a_NM.stride(1), b_NK.stride(0) // u, b_NK.stride(1), s_ce // u, s_cm // u, s_ck, BM=t.BM, BN=t.BN,
+           BR=t.BR, IEEE=a_NM.dtype == torch.float32, UPCAST=not cuda, ACCUMULATE=out_EMK is not None, TMA=t.tma,
+           UNIT=u, num_warps=t.num_warps, num_stages=t.num_stages)
     return c_EMK
 
 

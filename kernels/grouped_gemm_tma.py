@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, tma_allocator
+from moe_launch.kernels._launch import launch, next_pow2, tma_allocator, unit_of
 
 PROMOTE_K = 128
 
@@ -130,8 +130,9 @@ def _gmm_persistent_kernel(
     N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
     SCALED: tl.constexpr, PROMOTE: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, UNIT: tl.constexpr,
 ):
+    M, s_cn = M * UNIT, s_cn * UNIT  # passed divided by UNIT (_launch.unit_of): c's rows stored in 16-byte vectors
     tile_ends, n_tiles, total = tile_grid(counts_ptr, E, M, BM, BN, E_PAD)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
     if B_KMAJOR:
@@ -217,11 +218,12 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
     programs = min(programs_for(a_NK.device), upper)
     tma_allocator()
     dummy = c_NM  # scale pointers unused when SCALED is False
+    u = unit_of(M, c_NM.stride(0))
     launch(_gmm_persistent_kernel, (programs,), a_NK, b_EKM, c_NM, as_N.contiguous() if scaled else dummy,
-           bs_EM.contiguous() if scaled else dummy, offsets_E1, counts_E, N, E, M, K, a_NK.stride(0),
-           b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0), programs,
+           bs_EM.contiguous() if scaled else dummy, offsets_E1, counts_E, N, E, M // u, K, a_NK.stride(0),
+           b_EKM.stride(0), b_EKM.stride(1), b_EKM.stride(2), c_NM.stride(0) // u, programs,
            BM=t.BM, BN=t.BN, BK=t.BK, E_PAD=next_pow2(E), B_KMAJOR=kmajor, SCALED=scaled,
            PROMOTE=min(PROMOTE_K, t.BK) if scaled else 0, GROUP_M=t.group_m,
-           FLATTEN=t.flatten, UPCAST=not scaled and not a_NK.is_cuda, num_warps=t.num_warps,
+           FLATTEN=t.flatten, UPCAST=not scaled and not a_NK.is_cuda, UNIT=u, num_warps=t.num_warps,
            num_stages=t.num_stages)
     return c_NM

@@ -17,15 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels._launch import launch, next_pow2, unit_of
 
 
 @triton.jit
 def _combine_fwd_kernel(
     rows_ptr, rows2_ptr, pair_row_ptr, w_ptr, out_ptr,  # rows/rows2 [N, D]; pair_row int32 [T, K]; w [T, K]; out [T, D]
     T, K, D, stride_rows, stride_rows2, stride_out,
-    HAS_W: tl.constexpr, HAS_ROWS2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_ROWS2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, UNIT: tl.constexpr,
 ):
+    # D and the strides arrive divided by UNIT (_launch.unit_of): rows in 16-byte vectors where D is a multiple of 8
+    D, stride_rows, stride_rows2, stride_out = D * UNIT, stride_rows * UNIT, stride_rows2 * UNIT, stride_out * UNIT
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tok_ok = toks < T
@@ -62,9 +64,10 @@ def combine_triton(rows_ND, pair_row_TK, w_TK=None, rows2_ND=None, out_dtype=Non
     pair_row_TK, rows_ND = pair_row_TK.contiguous(), _unit_stride(rows_ND)  # kernels index [t*K + k] and rows
     w = w_TK.contiguous() if w_TK is not None else pair_row_TK  # unused when HAS_W is False
     r2 = _unit_stride(rows2_ND) if rows2_ND is not None else rows_ND
-    launch(_combine_fwd_kernel, grid, rows_ND, r2, pair_row_TK, w, out_TD, T, K, D, rows_ND.stride(0),
-           r2.stride(0), out_TD.stride(0), HAS_W=w_TK is not None, HAS_ROWS2=rows2_ND is not None,
-           BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+    u = unit_of(D, rows_ND.stride(0), r2.stride(0), out_TD.stride(0))
+    launch(_combine_fwd_kernel, grid, rows_ND, r2, pair_row_TK, w, out_TD, T, K, D // u, rows_ND.stride(0) // u,
+           r2.stride(0) // u, out_TD.stride(0) // u, HAS_W=w_TK is not None, HAS_ROWS2=rows2_ND is not None,
+           BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, UNIT=u)
     return out_TD
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2
+from moe_launch.kernels._launch import launch, next_pow2, unit_of
 from moe_launch.kernels.fp8 import E4M3, _encode, _scales, quantize_rows
 
 
@@ -35,8 +35,11 @@ def _swiglu_fwd_kernel(
     g_ptr, u_ptr, h_ptr, num_rows_ptr,
     q_ptr, s_ptr,  # QUANT: h as e4m3 rows [N, F] and their scales [N] instead of h itself
     Fdim, stride_g, stride_u, stride_h, stride_q,
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, SOFT_ROUND: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, SOFT_ROUND: tl.constexpr, UNIT: tl.constexpr,
 ):
+    # Fdim and the strides arrive divided by UNIT (_launch.unit_of): rows in 16-byte vectors where F is a multiple of 8
+    Fdim, stride_g, stride_u, stride_h, stride_q = (Fdim * UNIT, stride_g * UNIT, stride_u * UNIT, stride_h * UNIT,
+                                                    stride_q * UNIT)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     row_ok = rows < tl.load(num_rows_ptr)
@@ -59,8 +62,10 @@ def _swiglu_bwd_kernel(
     w_ptr, row_pair_ptr, dw_ptr,  # ROUTED: w [T*K], row_pair int32 [N], dw [T*K] (zeroed: non-local pairs stay 0)
     Fdim, stride_g, stride_u, stride_dh, stride_dg, stride_du, stride_h, stride_q,
     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, QUANT: tl.constexpr, ROUTED: tl.constexpr,
-    SOFT_ROUND: tl.constexpr,
+    SOFT_ROUND: tl.constexpr, UNIT: tl.constexpr,
 ):
+    Fdim, stride_g, stride_u, stride_dh = Fdim * UNIT, stride_g * UNIT, stride_u * UNIT, stride_dh * UNIT  # as above
+    stride_dg, stride_du, stride_h, stride_q = stride_dg * UNIT, stride_du * UNIT, stride_h * UNIT, stride_q * UNIT
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < tl.load(num_rows_ptr)
     r64 = rows.to(tl.int64)[:, None]
@@ -107,6 +112,11 @@ def _blocks(N: int, Fdim: int, cuda: bool) -> tuple[int, int, tuple[int, int]]:
     return BLOCK_R, BLOCK_F, (max(1, triton.cdiv(N, BLOCK_R)), triton.cdiv(Fdim, BLOCK_F))
 
 
+def _in_units(*ints: int) -> tuple[list[int], int]:
+    u = unit_of(*ints)
+    return [i // u for i in ints], u
+
+
 def _unit_stride(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]  # kernels address rows as base + r*stride + c
 
@@ -116,8 +126,9 @@ def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Te
     N, Fdim = g_NF.shape
     h_NF = torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, Fdim, g_NF.stride(0), u_NF.stride(0),
-           h_NF.stride(0), 0, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=False, SOFT_ROUND=False)
+    ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), h_NF.stride(0), 0)
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F,
+           QUANT=False, SOFT_ROUND=False, UNIT=u)
     return h_NF
 
 
@@ -135,10 +146,10 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
         w_P = w_TK.contiguous().view(-1)
         dw_P = torch.zeros_like(w_P)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
+    ints, u = _in_units(Fdim, *(t.stride(0) for t in (g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, q_N2F)))
     launch(_swiglu_bwd_kernel, grid[:1], g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, w_P,
-           row_pair_N, dw_P, Fdim, g_NF.stride(0), u_NF.stride(0), dh_NF.stride(0), dg_NF.stride(0),
-           du_NF.stride(0), h_NF.stride(0), q_N2F.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant,
-           ROUTED=routing is not None, SOFT_ROUND=not g_NF.is_cuda)
+           row_pair_N, dw_P, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant, ROUTED=routing is not None,
+           SOFT_ROUND=not g_NF.is_cuda, UNIT=u)
     out = (dg_NF, du_NF, h_NF) if routing is None else (dg_NF, du_NF, h_NF, dw_P.view(routing[0].shape))
     return (*out, q_N2F, s_N) if quant else out
 
@@ -159,8 +170,9 @@ def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tenso
     q_NF = torch.empty(max(N, capacity), Fdim, dtype=E4M3, device=g_NF.device)
     s_N = torch.empty(max(N, capacity), dtype=torch.float32, device=g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, Fdim, g_NF.stride(0), u_NF.stride(0),
-           0, q_NF.stride(0), BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=True, SOFT_ROUND=not g_NF.is_cuda)
+    ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), 0, q_NF.stride(0))
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F,
+           QUANT=True, SOFT_ROUND=not g_NF.is_cuda, UNIT=u)
     return q_NF, s_N
 
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, tma_allocator
+from moe_launch.kernels._launch import launch, next_pow2, tma_allocator, unit_of
 from moe_launch.kernels.grouped_gemm import torch_path_ok
 from moe_launch.kernels.grouped_gemm_tma import Tiles, b_kmajor, dot16, programs_for, tile_coords, tile_grid, usable
 
@@ -48,8 +48,9 @@ def _swiglu_up_kernel(
     a_ptr, bg_ptr, bu_ptr, g_ptr, u_ptr, h_ptr,  # a [N, K]; bg, bu [E, K, M] with equal strides; g, u, h [N, M]
     offsets_ptr, counts_ptr, N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
 ):
+    M, s_cn = M * UNIT, s_cn * UNIT  # passed divided by UNIT (_launch.unit_of): output rows in 16-byte vectors
     tile_ends, n_tiles, total = tile_grid(counts_ptr, E, M, BM, BN, E_PAD)
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
     bg_desc = _b_desc(bg_ptr, E, K, M, s_be, s_bk, s_bm, BN, BK, B_KMAJOR)
@@ -79,8 +80,9 @@ def _dual_mm_kernel(
     a1_ptr, a2_ptr, b1_ptr, b2_ptr, c_ptr,  # a1, a2 [N, K] with equal strides; b1, b2 [E, K, M] likewise; c [N, M]
     offsets_ptr, counts_ptr, N, E, M, K, s_an, s_be, s_bk, s_bm, s_cn, num_programs,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, E_PAD: tl.constexpr, B_KMAJOR: tl.constexpr,
-    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
 ):
+    M, s_cn = M * UNIT, s_cn * UNIT  # passed divided by UNIT (_launch.unit_of): output rows in 16-byte vectors
     tile_ends, n_tiles, total = tile_grid(counts_ptr, E, M, BM, BN, E_PAD)
     a1_desc = tl.make_tensor_descriptor(a1_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
     a2_desc = tl.make_tensor_descriptor(a2_ptr, shape=[N, K], strides=[s_an, 1], block_shape=[BM, BK])
@@ -162,10 +164,11 @@ def _launch(kernel, a_NK, b_EKM, M: int, counts_E, offsets_E1, t: Tiles, ptrs: t
     E = b_EKM.shape[0]
     programs = min(programs_for(a_NK.device), (triton.cdiv(N, t.BM) + E) * triton.cdiv(M, t.BN))
     tma_allocator()
-    launch(kernel, (programs,), *ptrs, offsets_E1, counts_E, N, E, M, K, a_NK.stride(0), b_EKM.stride(0),
-           b_EKM.stride(1), b_EKM.stride(2), s_cn, programs, BM=t.BM, BN=t.BN, BK=t.BK,
+    u = unit_of(M, s_cn)
+    launch(kernel, (programs,), *ptrs, offsets_E1, counts_E, N, E, M // u, K, a_NK.stride(0), b_EKM.stride(0),
+           b_EKM.stride(1), b_EKM.stride(2), s_cn // u, programs, BM=t.BM, BN=t.BN, BK=t.BK,
            E_PAD=next_pow2(E), B_KMAJOR=b_kmajor(b_EKM), GROUP_M=t.group_m, FLATTEN=t.flatten,
-           UPCAST=not a_NK.is_cuda, num_warps=t.num_warps, num_stages=t.num_stages)
+           UPCAST=not a_NK.is_cuda, UNIT=u, num_warps=t.num_warps, num_stages=t.num_stages)
 
 
 def _check(a_NK: torch.Tensor, *bs_EKM: torch.Tensor) -> None:

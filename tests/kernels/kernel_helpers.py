@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from helpers_gpu import run_on_host_gpu
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -25,4 +24,7 @@ def random_idx(T: int, K: int, num_experts: int, gen: torch.Generator, skip: ran
 def run_compiled(script: str) -> str:
     """Run this folder's `script` on the host's GPU, in a process without TRITON_INTERPRET (the tests here interpret
     Triton, and a mode is fixed when triton is imported); assert it exited 0 and return its stdout."""
+    # imported here: the GPU scripts import this module too, and run by hand (`python tests/kernels/gpu_X.py`) they
+    # do not have the suite's folder, where helpers_gpu lives, on their path
+    from helpers_gpu import run_on_host_gpu
     return run_on_host_gpu(Path(__file__).with_name(script))

@@ -72,7 +72,7 @@ def test_rows_are_stable_and_consistent(gen):
     assert bool((p.row_token_N[R:] == -1).all())
 
 
-@pytest.mark.parametrize("T,K,D", [(1, 1, 8), (513, 3, 256), (4096, 8, 8)])
+@pytest.mark.parametrize("T,K,D", [(1, 1, 8), (513, 3, 256), (4096, 8, 8), (50, 2, 12), (50, 2, 7)])
 def test_gather(T, K, D, gen):
     idx = random_idx(T, K, 16, gen, range(2, 5))
     p = route_indices(idx, 1, 13)
@@ -83,7 +83,8 @@ def test_gather(T, K, D, gen):
 
 
 # (T, K, experts, D (contraction), M (output)), with zero-token experts in every case but the first
-GEMMS = [(1, 1, 1, 8, 16), (40, 2, 5, 24, 40), (300, 4, 16, 256, 64), (64, 8, 24, 64, 256), (4096, 8, 64, 8, 16)]
+GEMMS = [(1, 1, 1, 8, 16), (40, 2, 5, 24, 40), (30, 2, 3, 9, 6), (300, 4, 16, 256, 64), (64, 8, 24, 64, 256),
+         (4096, 8, 64, 8, 16)]
 
 
 @pytest.mark.parametrize("T,K,E,Dk,M", GEMMS)

@@ -34,3 +34,14 @@ def test_compiled_kernel_on_cpu_tensors_says_how_to_run_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert "RAISED Triton kernel _fill got CPU tensors" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "TRITON_INTERPRET=1" in proc.stdout
+
+
+def test_unit_of_is_the_largest_power_of_two_up_to_16_dividing_every_int():
+    from moe_launch.kernels._launch import unit_of
+    assert unit_of(2048, 4096) == 16  # what Triton already knows of such ints
+    assert unit_of(1000, 2000) == 8   # a row of 1,000 bf16 elements: 16-byte vectors
+    assert unit_of(1000, 2000, 204) == 4
+    assert unit_of(100, 6) == 2
+    assert unit_of(2048, 1) == 1      # a unit stride among them: nothing to gain
+    assert unit_of(0, 24) == 8        # a stride of 0 (an unused operand) constrains nothing
+    assert unit_of() == 16
