@@ -58,3 +58,17 @@ def unit_of(*ints: int) -> int:
     while unit > 1 and any(int(i) % unit for i in ints):
         unit //= 2
     return unit
+
+
+ROW_PITCH_BYTES = 128  # one L2 cache line; 64 bf16 or 128 e4m3 elements
+
+
+def row_buffer(rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized [rows, width] buffer whose rows start at cache-line boundaries (ROW_PITCH_BYTES apart, width
+    rounded up). The grouped GEMMs read row tiles through TMA: rows of 1,000 bf16 elements would start at every 16th
+    byte of a line, and each 128-byte tile row would then span two lines. At widths that fill whole lines it is a
+    plain contiguous tensor."""
+    per_line = max(1, ROW_PITCH_BYTES // dtype.itemsize)
+    pitch = -(-width // per_line) * per_line
+    buf = torch.empty(rows, pitch, dtype=dtype, device=device)
+    return buf if pitch == width else buf[:, :width]

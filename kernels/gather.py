@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, row_buffer, unit_of
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def gather_rows_triton(x_TD: torch.Tensor, row_token_N: torch.Tensor, num_rows: 
                        capacity: int = 0) -> torch.Tensor:
     x_TD = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
     N, D = row_token_N.numel(), x_TD.shape[1]
-    out_ND = torch.empty(max(N, capacity), D, dtype=x_TD.dtype, device=x_TD.device)
+    out_ND = row_buffer(max(N, capacity), D, x_TD.dtype, x_TD.device)
     if N == 0:
         return out_ND
     BLOCK_D = min(next_pow2(D), 512)

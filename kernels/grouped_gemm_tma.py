@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, tma_allocator, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, row_buffer, tma_allocator, unit_of
 
 PROMOTE_K = 128
 
@@ -209,7 +209,7 @@ def grouped_mm_persistent(a_NK: torch.Tensor, b_EKM: torch.Tensor, counts_E: tor
         raise ValueError(f"operands a {tuple(a_NK.stride())} / b {tuple(b_EKM.stride())} ({a_NK.dtype}) cannot be "
                          "read through TMA descriptors: a needs unit-stride rows, b unit stride along K (e4m3) or "
                          "K or M (16-bit), every other stride 16-byte aligned")
-    c_NM = torch.empty(N, M, dtype=torch.bfloat16 if scaled else a_NK.dtype, device=a_NK.device)
+    c_NM = row_buffer(N, M, torch.bfloat16 if scaled else a_NK.dtype, a_NK.device)
     if N == 0 or E == 0:
         return c_NM
     t = tiles or (default_tiles(scaled) if a_NK.is_cuda else INTERPRETER_TILES)

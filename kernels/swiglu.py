@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, row_buffer, unit_of
 from moe_launch.kernels.fp8 import E4M3, _encode, _scales, quantize_rows
 
 
@@ -124,7 +124,7 @@ def _unit_stride(*ts: torch.Tensor) -> list[torch.Tensor]:
 def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     N, Fdim = g_NF.shape
-    h_NF = torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device)
+    h_NF = row_buffer(N, Fdim, g_NF.dtype, g_NF.device)
     BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), h_NF.stride(0), 0)
     launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F,
@@ -137,7 +137,7 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
     the e4m3 rows of [dg du] and their scales; rows >= R unspecified. routing: see swiglu_bwd."""
     g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
-    dg_NF, du_NF, h_NF = (torch.empty(N, Fdim, dtype=g_NF.dtype, device=g_NF.device) for _ in range(3))
+    dg_NF, du_NF, h_NF = (row_buffer(N, Fdim, g_NF.dtype, g_NF.device) for _ in range(3))
     q_N2F = torch.empty(N, 2 * Fdim, dtype=E4M3, device=g_NF.device) if quant else h_NF
     s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device) if quant else h_NF
     w_P, row_pair_N, dw_P = h_NF, h_NF, h_NF  # unused without routing

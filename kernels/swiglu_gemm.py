@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, tma_allocator, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, row_buffer, tma_allocator, unit_of
 from moe_launch.kernels.grouped_gemm import torch_path_ok
 from moe_launch.kernels.grouped_gemm_tma import Tiles, b_kmajor, dot16, programs_for, tile_coords, tile_grid, usable
 
@@ -183,7 +183,7 @@ def swiglu_up(x_ND: torch.Tensor, bg_EDF: torch.Tensor, bu_EDF: torch.Tensor, co
     """-> (g_NF, u_NF, h_NF): the gate and up projections of the rows (b = w_EFD.transpose(1, 2)) and h = silu(g)*u."""
     _check(x_ND, bg_EDF, bu_EDF)
     N, F = x_ND.shape[0], bg_EDF.shape[2]
-    g_NF, u_NF, h_NF = (torch.empty(N, F, dtype=x_ND.dtype, device=x_ND.device) for _ in range(3))
+    g_NF, u_NF, h_NF = (row_buffer(N, F, x_ND.dtype, x_ND.device) for _ in range(3))
     if N and bg_EDF.shape[0]:
         _launch(_swiglu_up_kernel, x_ND, bg_EDF, F, counts_E, offsets_E1, _tiles(tiles, "up", x_ND.device),
                 (x_ND, bg_EDF, bu_EDF, g_NF, u_NF, h_NF), g_NF.stride(0))
@@ -197,7 +197,7 @@ def dual_mm(a1_NK: torch.Tensor, b1_EKM: torch.Tensor, a2_NK: torch.Tensor, b2_E
     if a2_NK.shape != a1_NK.shape or a2_NK.stride() != a1_NK.stride() or not usable(a2_NK, b2_EKM):
         raise ValueError("dual_mm's two A operands need one shape and one set of strides")
     N, M = a1_NK.shape[0], b1_EKM.shape[2]
-    c_NM = torch.empty(N, M, dtype=a1_NK.dtype, device=a1_NK.device)
+    c_NM = row_buffer(N, M, a1_NK.dtype, a1_NK.device)
     if N and b1_EKM.shape[0]:
         _launch(_dual_mm_kernel, a1_NK, b1_EKM, M, counts_E, offsets_E1, _tiles(tiles, "dual", a1_NK.device),
                 (a1_NK, a2_NK, b1_EKM, b2_EKM, c_NM), c_NM.stride(0))

@@ -45,3 +45,14 @@ def test_unit_of_is_the_largest_power_of_two_up_to_16_dividing_every_int():
     assert unit_of(2048, 1) == 1      # a unit stride among them: nothing to gain
     assert unit_of(0, 24) == 8        # a stride of 0 (an unused operand) constrains nothing
     assert unit_of() == 16
+
+
+def test_row_buffer_starts_rows_at_cache_lines_and_is_contiguous_where_they_fill_lines():
+    import torch
+
+    from moe_launch.kernels._launch import row_buffer
+    b = row_buffer(3, 1000, torch.bfloat16, torch.device("cpu"))
+    assert b.shape == (3, 1000) and b.stride() == (1024, 1)
+    assert row_buffer(3, 2048, torch.bfloat16, torch.device("cpu")).is_contiguous()
+    assert row_buffer(2, 200, torch.float8_e4m3fn, torch.device("cpu")).stride() == (256, 1)  # 128 e4m3 per line
+    assert row_buffer(2, 8, torch.float32, torch.device("cpu")).stride() == (32, 1)
