@@ -5,7 +5,7 @@ Run on one GPU (sm90):  PYTHONUNBUFFERED=1 python benchmarks/row_pitch.py --out 
 `--smoke` runs a tiny version on the CPU (Triton interpreter) to check the script itself.
 
 For each shape (rows routed by a real top-k over random logits) it times, median ms of do_bench, with the A operands
-(x rows, and dg / du rows) first contiguous, then copied into rows ROW_PITCH_BYTES apart:
+(x rows, and dg / du rows) first contiguous, then copied into kernels/_launch.row_buffer's rows:
   swiglu_up          the fused gate + up GEMM with the SwiGLU epilogue (kernels/swiglu_gemm.py)
   dual_mm            dg @ w_gate + du @ w_up in one accumulator
   wgrad dg^T x       our weight-gradient GEMM adding into a gradient buffer (kernels/grouped_gemm.py)
@@ -26,7 +26,7 @@ import torch
 import triton.testing
 
 from moe_launch.kernels import swiglu_gemm as sg
-from moe_launch.kernels._launch import ROW_PITCH_BYTES
+from moe_launch.kernels._launch import row_buffer
 from moe_launch.kernels.grouped_gemm import grouped_mm_wgrad_triton
 from moe_launch.kernels.index_gen import route_indices
 
@@ -40,9 +40,7 @@ def shapes(smoke: bool) -> dict[str, tuple[int, int, int, int, int]]:  # T, D, F
 
 
 def line_rows(t: torch.Tensor) -> torch.Tensor:
-    per_line = ROW_PITCH_BYTES // t.element_size()
-    pitch = -(-t.shape[1] // per_line) * per_line
-    out = torch.empty(t.shape[0], pitch, dtype=t.dtype, device=t.device)[:, :t.shape[1]]
+    out = row_buffer(t.shape[0], t.shape[1], t.dtype, t.device)
     out.copy_(t)
     return out
 

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench_smoke import run_smoke
 
 
 def test_fp8_dense_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "benchmarks/fp8_dense.py", "--smoke", "--rep-ms", "5", "--out",
-                           str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke("fp8_dense.py", "--rep-ms", "5", "--out", str(tmp_path))
     result = json.loads((tmp_path / "fp8_dense.json").read_text())
     assert result["env"]["fp8_emulated"] is True
     assert [r["linear"]["name"] for r in result["rows"]] == ["attention projection (q, k, v, o)", "output head"]

@@ -5,20 +5,16 @@ its JSON with three full curves and the summary, and the curves agree (same data
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from bench_smoke import run_smoke
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_loss_curve_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/loss_curve.py", "--smoke", "--out", str(tmp_path / "out"),
-                           "--data-cache", str(tmp_path / "cache")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke("loss_curve.py", "--out", str(tmp_path / "out"), "--data-cache", str(tmp_path / "cache"),
+                     interpret=False)
     result = json.loads((tmp_path / "out" / "loss_curve.json").read_text())
     curves, summary = result["curves"], result["summary"]
     assert set(curves) == {"fast", "ref_bf16", "ref_fp32"}

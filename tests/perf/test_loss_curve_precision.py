@@ -5,13 +5,12 @@ changes the init only (handed the same seed's model, the run is bitwise the Trai
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from importlib import util
 from pathlib import Path
 
 import torch
+from bench_smoke import run_smoke
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,11 +27,8 @@ def _load(name: str):
 
 
 def test_precision_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/loss_curve.py", "--smoke", "--compare", "precision",
-                           "--out", str(tmp_path / "out"), "--data-cache", str(tmp_path / "cache")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke("loss_curve.py", "--compare", "precision", "--out", str(tmp_path / "out"), "--data-cache",
+                     str(tmp_path / "cache"), interpret=False, timeout=600)
     result = json.loads((tmp_path / "out" / "loss_curve_precision.json").read_text())
     curves, summary, meta = result["curves"], result["summary"], result["meta"]
     assert set(curves) == {"bf16", "bf16_b", "fp8"} and all(len(c) == 8 for c in curves.values())
@@ -55,12 +51,8 @@ def test_precision_smoke(tmp_path):
 def test_router_smoke(tmp_path):
     """--compare router: the variant run has model.moe.router_gemm=fp32; on the CPU (fp32 parameters) every run's
     router takes the fp32 GEMMs, so the variant's curve is bf16's."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "benchmarks/loss_curve.py", "--smoke", "--compare", "router",
-                           "--steps", "4", "--holdout", "0", "--out", str(tmp_path / "out"),
-                           "--data-cache", str(tmp_path / "cache")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke("loss_curve.py", "--compare", "router", "--steps", "4", "--holdout", "0", "--out",
+                     str(tmp_path / "out"), "--data-cache", str(tmp_path / "cache"), interpret=False, timeout=600)
     result = json.loads((tmp_path / "out" / "loss_curve_router.json").read_text())
     curves, summary, meta = result["curves"], result["summary"], result["meta"]
     assert set(curves) == {"bf16", "bf16_b", "router_fp32"} and meta["compare"] == "router"

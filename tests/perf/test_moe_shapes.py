@@ -4,20 +4,17 @@ CPU, Triton under the interpreter, no FP8; every shape checks ours against the n
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import astuple
 from pathlib import Path
+
+from bench_smoke import run_smoke
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_moe_shapes_smoke(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "benchmarks/moe_shapes.py", "--smoke", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_smoke("moe_shapes.py", "--out", str(tmp_path))
     shapes = json.loads((tmp_path / "moe_shapes.json").read_text())["shapes"]
     assert len(shapes) == 8
     for name, res in shapes.items():
@@ -66,18 +63,13 @@ def test_parse_shape():
 def test_given_shapes_run_instead_of_a_set(tmp_path):
     """--shape runs exactly the shapes given (checked against the naive pipeline, then timed); a malformed one stops
     the script before anything runs, naming the option."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    cmd = [sys.executable, "benchmarks/moe_shapes.py", "--smoke", "--out", str(tmp_path), "--rows", "bf16",
-           "--rep-ms", "20"]
-    proc = subprocess.run(cmd + ["--shape", "40,32,24,6,3", "--shape", "24,32,16,4,1"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    args = ["--out", str(tmp_path), "--rows", "bf16", "--rep-ms", "20"]
+    run_smoke("moe_shapes.py", *args, "--shape", "40,32,24,6,3", "--shape", "24,32,16,4,1")
     shapes = json.loads((tmp_path / "moe_shapes-given.json").read_text())["shapes"]
     assert [r["dims"] for r in shapes.values()] == [dict(T=40, D=32, F=24, E=6, K=3), dict(T=24, D=32, F=16, E=4, K=1)]
     for res in shapes.values():
         assert res["rows"]["ours bf16"]["ok"] and res["rows"]["ours bf16"]["ms"] > 0
     log = (tmp_path / "moe_shapes-given.log").read_text()
-    bad = subprocess.run(cmd + ["--shape", "40,32,24,6"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=120)
+    bad = run_smoke("moe_shapes.py", *args, "--shape", "40,32,24,6", timeout=120, check=False)
     assert bad.returncode == 2 and "--shape takes five positive integers" in bad.stderr
     assert (tmp_path / "moe_shapes-given.log").read_text() == log  # refused before its log was opened
