@@ -43,7 +43,15 @@ def gemms() -> dict[str, tuple[int, int, int, int, bool]]:
             "OLMoE 8k fwd down": (65536, 1024, 2048, 64, True),
             "fine 128 fwd gate+up": (131072, 2048, 1536, 128, True),
             "coarse 8 fwd gate+up": (16384, 4096, 28672, 8, True), "coarse 8 bwd dh": (16384, 4096, 14336, 8, False),
-            "gpt-oss fwd gate+up": (65536, 2880, 5760, 32, True)}
+            "gpt-oss fwd gate+up": (65536, 2880, 5760, 32, True),
+            # 512-1024 rows per expert with model dims or expert sizes past 2048
+            "Phi-like fwd gate": (16384, 4096, 6400, 16, True), "Phi-like fwd down": (16384, 6400, 4096, 16, True),
+            "Phi-like bwd dx gate": (16384, 6400, 4096, 16, False),
+            "Scout-like fwd gate": (8192, 5120, 8192, 16, True), "Scout-like fwd down": (8192, 8192, 5120, 16, True),
+            "Kimi-K2 EP8 fwd gate": (32736, 7168, 2048, 48, True),
+            "Kimi-K2 EP8 fwd down": (32736, 2048, 7168, 48, True),
+            "Kimi-K2 EP8 bwd dh": (32736, 7168, 2048, 48, False),
+            "Qwen2-57B fwd gate": (65536, 3584, 2560, 64, True), "Qwen2-57B fwd down": (65536, 2560, 3584, 64, True)}
 
 
 def rel(x: torch.Tensor, ref: torch.Tensor, rows: int) -> float:
