@@ -116,7 +116,8 @@ def test_the_shape_choice():
     assert tma.choose(4096 * 8, 2048, 1024, 64, scaled=True) is not None  # 512 rows per expert
     for N, E in ((olmoe_16k, 64), (16384, 8), (2048 * 8, 64), (1024 * 8, 64)):  # 2048 rows per expert, coarse, 256,
         assert tma.choose(N, 2048, 2048, E, scaled=True) is None  # 128 rows per expert
-    assert tma.choose(8192 * 8, 3584, 5120, 64, scaled=True) is None  # 1024 rows, but dims beyond those measured
+    assert tma.choose(8192 * 8, 3584, 5120, 64, scaled=True) is None  # 1024 rows, FP8 past 2048: CUTLASS's fast tile
+    assert tma.choose(8192 * 8, 3584, 2560, 64, scaled=False) is None  # bf16 past 2048: no gain at the layer
     assert tma.choose(64, 32, 16, 8, scaled=False) is None
 
 
