@@ -25,15 +25,15 @@ fi
 [ -z "${SKIP_FUSED:-}" ] && run swiglu_gemm_tiles "${FUSED_S:-300}" python3 benchmarks/swiglu_gemm_tiles.py --out "$OUT" \
   --only "${FUSED_ONLY:-}"
 # which shapes the layer runs at, and the stem of the log moe_shapes.py names after them
-which=(--only "${MOE_SHAPES_ONLY:-OLMoE-1B-7B,coarse,fine: 128}" --set "${MOE_SET:-common}") stem=moe_shapes
+shape_args=(--only "${MOE_SHAPES_ONLY:-OLMoE-1B-7B,coarse,fine: 128}" --set "${MOE_SET:-common}") stem=moe_shapes
 [ "${MOE_SET:-common}" = models ] && stem=moe_shapes-models
 if [ -n "${MOE_SHAPES:-}" ]; then
-  which=() stem=moe_shapes-given
-  for s in $MOE_SHAPES; do which+=(--shape "$s"); done
+  shape_args=() stem=moe_shapes-given
+  for s in $MOE_SHAPES; do shape_args+=(--shape "$s"); done
 fi
 for impl in $impls; do
   run "moe_shapes-$impl" "${MOE_SHAPES_S:-200}" python3 benchmarks/moe_shapes.py --out "$OUT" \
-    "${which[@]}" --gemm-impl "$impl" --rep-ms "${REP_MS:-200}" --rows "${MOE_ROWS:-}"
+    "${shape_args[@]}" --gemm-impl "$impl" --rep-ms "${REP_MS:-200}" --rows "${MOE_ROWS:-}"
 done
 if [ -n "${TRAINER_CASES:-}" ]; then
   run trainer_throughput "${TRAINER_S:-330}" python3 benchmarks/trainer_throughput.py --out "$OUT" --steps 10 \
