@@ -62,7 +62,8 @@ class CallShape:
 # model.moe.cuda_graph=auto graphs calls up to this many expert FLOPs (forward + backward). On the H200 the stage's
 # ~45 launches take the host about 2.7 ms to queue, and at OLMoE dims the graphs gained 1.66x at 1k tokens per call
 # (0.31 TFLOP), 1.12x at 2k (0.62) and nothing from 3k (0.93) on (benchmarks/RESULTS.md, the expert stage replayed from
-# CUDA graphs): below this the device would wait for the host.
+# CUDA graphs; rechecked with fewer eager launches, "whether auto should graph calls of 3k-6k tokens": within 5% of
+# eager either way): below this the device would wait for the host.
 AUTO_MAX_FLOPS = 0.8e12
 
 
