@@ -172,3 +172,16 @@ def test_a_disk_with_room_for_two_checkpoints_replaces_the_older_slot_first(two_
 def test_room_needed_only_when_the_replacement_would_not_fit():
     assert room_needed(free_bytes=100 << 20, replaced_bytes=60 << 20)
     assert not room_needed(free_bytes=1 << 30, replaced_bytes=60 << 20)
+
+
+def test_a_slot_is_valid_only_once_the_model_checkpoint_of_its_step_is(tmp_path, data_cache):
+    """A relaunch resumes from the newest valid slot and never redoes its step. So when a full and a model-only
+    checkpoint fall on the same step, the model-only one is written first: a process lost between the two commits
+    must not leave a resumable slot at step s without model-step-s (that checkpoint would never be written)."""
+    cfg = tiny_cfg(data_cache, ckpt_interval=2, model_ckpt_interval=4)  # both at steps 4 and 8
+    rd = write_run(tmp_path / "run", cfg)
+    assert Trainer(cfg, rd).train() == EXIT_OK
+    order = [r["details"]["slot"] for r in read_jsonl(rd.journal) if r["kind"] == "checkpoint"]
+    assert order == ["ckpt-a", "model-step-4", "ckpt-b", "ckpt-a", "model-step-8", "ckpt-b"], order
+    for step in (4, 8):
+        assert verify(rd.checkpoints / f"model-step-{step}") == (True, "ok")

@@ -92,18 +92,20 @@ class CheckpointManager:
         if reason is not None or not (full or model_only):
             return reason
         targets, rels = [], []
+        # the model-only checkpoint is written first: a relaunch resumes from the newest valid slot and does not redo
+        # its step, so a process lost after the slot's commit would leave the model checkpoint of that step unwritten
+        if model_only:
+            model_rels = self.writes(True)
+            targets.append(Target(self.run_dir.checkpoints / f"model-step-{done}", self._builders(model_rels),
+                                  meta={"model": self.model_meta, **(position or {})}, model_only=True))
+            rels += model_rels
         if full:
             slot = next_slot(self.newest_slot)
             full_rels = self.writes(False)
             targets.append(Target(self.run_dir.checkpoints / slot, self._builders(full_rels),
                                   after_shards=self.kill_hook(done)))
-            rels += full_rels
+            rels += [r for r in full_rels if r not in rels]
             self._pending_slot, self.requested_step = slot, done
-        if model_only:
-            model_rels = self.writes(True)
-            targets.append(Target(self.run_dir.checkpoints / f"model-step-{done}", self._builders(model_rels),
-                                  meta={"model": self.model_meta, **(position or {})}, model_only=True))
-            rels += [r for r in model_rels if r not in rels]
         stall_s, _ = self.writer.request(done, targets, state(rels), since=t0)
         if stall_s > SLOW_STALL_S and self.leader and not self._warned_stall:
             self._warned_stall = True
