@@ -11,6 +11,8 @@ Math in fp32: silu(g) = g*s, s = sigmoid(g); d silu/dg = s * (1 + g * (1 - s)).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -106,10 +108,25 @@ def _swiglu_bwd_kernel(
 _MAX_BLOCK_F = 1024
 
 
-def _blocks(N: int, Fdim: int, cuda: bool) -> tuple[int, int, tuple[int, int]]:
-    BLOCK_F = min(next_pow2(Fdim), _MAX_BLOCK_F)
-    BLOCK_R = max(1, (4096 if cuda else 65536) // BLOCK_F)
-    return BLOCK_R, BLOCK_F, (max(1, triton.cdiv(N, BLOCK_R)), triton.cdiv(Fdim, BLOCK_F))
+@dataclass(frozen=True)
+class RowTile:
+    """How the SwiGLU kernels cut [N, F]: `rows` per program, `cols` per column block (the whole row when quantizing,
+    fuses_fp8), `warps` per program. benchmarks/swiglu_tiles.py times the candidates."""
+    rows: int
+    cols: int
+    warps: int = 4
+
+
+def row_tile(Fdim: int, cuda: bool) -> RowTile:
+    """The default tile: 4,096 elements per program on the GPU (the interpreter takes larger ones: it pays per
+    program, not per element)."""
+    cols = min(next_pow2(Fdim), _MAX_BLOCK_F)
+    return RowTile(max(1, (4096 if cuda else 65536) // cols), cols)
+
+
+def _blocks(N: int, Fdim: int, cuda: bool, tile: RowTile | None) -> tuple[RowTile, tuple[int, int]]:
+    t = tile or row_tile(Fdim, cuda)
+    return t, (max(1, triton.cdiv(N, t.rows)), triton.cdiv(Fdim, t.cols))
 
 
 def _in_units(*ints: int) -> tuple[list[int], int]:
@@ -121,20 +138,22 @@ def _unit_stride(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]  # kernels address rows as base + r*stride + c
 
 
-def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor,
+                      tile: RowTile | None = None) -> torch.Tensor:
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     N, Fdim = g_NF.shape
     h_NF = row_buffer(N, Fdim, g_NF.dtype, g_NF.device)
-    BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), h_NF.stride(0), 0)
-    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F,
-           QUANT=False, SOFT_ROUND=False, UNIT=u)
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols,
+           QUANT=False, SOFT_ROUND=False, UNIT=u, num_warps=t.warps)
     return h_NF
 
 
-def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=None):
+def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=None, tile: RowTile | None = None):
     """-> (dg_NF, du_NF, h_NF), with routing also dw_TK, and with quant (the whole row in one tile, see fuses_fp8)
-    the e4m3 rows of [dg du] and their scales; rows >= R unspecified. routing: see swiglu_bwd."""
+    the e4m3 rows of [dg du] and their scales; rows >= R unspecified. routing: see swiglu_bwd. tile: row_tile's
+    by default; with quant its cols must cover F."""
     g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
     dg_NF, du_NF, h_NF = (row_buffer(N, Fdim, g_NF.dtype, g_NF.device) for _ in range(3))
@@ -145,11 +164,14 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
         w_TK, row_pair_N = routing
         w_P = w_TK.contiguous().view(-1)
         dw_P = torch.zeros_like(w_P)
-    BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
-    ints, u = _in_units(Fdim, *(t.stride(0) for t in (g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, q_N2F)))
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
+    if quant and t.cols < Fdim:
+        raise ValueError(f"quantizing [dg du] in the SwiGLU backward needs whole rows per tile: cols {t.cols} < "
+                         f"F {Fdim}")
+    ints, u = _in_units(Fdim, *(b.stride(0) for b in (g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, q_N2F)))
     launch(_swiglu_bwd_kernel, grid[:1], g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, w_P,
-           row_pair_N, dw_P, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F, QUANT=quant, ROUTED=routing is not None,
-           SOFT_ROUND=not g_NF.is_cuda, UNIT=u)
+           row_pair_N, dw_P, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols, QUANT=quant, ROUTED=routing is not None,
+           SOFT_ROUND=not g_NF.is_cuda, UNIT=u, num_warps=t.warps)
     out = (dg_NF, du_NF, h_NF) if routing is None else (dg_NF, du_NF, h_NF, dw_P.view(routing[0].shape))
     return (*out, q_N2F, s_N) if quant else out
 
@@ -159,7 +181,8 @@ def fuses_fp8(Fdim: int) -> bool:
     return Fdim <= _MAX_BLOCK_F
 
 
-def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor, capacity: int = 0):
+def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tensor, capacity: int = 0,
+                   tile: RowTile | None = None):
     """-> (hq_NF e4m3, hs_N fp32): h quantized per row as kernels.fp8.quantize_rows(h) would, bit for bit, without
     writing h itself where the row fits one tile; else swiglu_fwd then quantize_rows. capacity: where fused, the
     outputs hold max(N, capacity) rows (the down GEMM's presented rows, kernels/fp8.py); past N unused."""
@@ -169,10 +192,12 @@ def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tenso
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     q_NF = torch.empty(max(N, capacity), Fdim, dtype=E4M3, device=g_NF.device)
     s_N = torch.empty(max(N, capacity), dtype=torch.float32, device=g_NF.device)
-    BLOCK_R, BLOCK_F, grid = _blocks(N, Fdim, g_NF.is_cuda)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
+    if t.cols < Fdim:
+        raise ValueError(f"quantizing h in the SwiGLU forward needs whole rows per tile: cols {t.cols} < F {Fdim}")
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), 0, q_NF.stride(0))
-    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, *ints, BLOCK_R=BLOCK_R, BLOCK_F=BLOCK_F,
-           QUANT=True, SOFT_ROUND=not g_NF.is_cuda, UNIT=u)
+    launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols,
+           QUANT=True, SOFT_ROUND=not g_NF.is_cuda, UNIT=u, num_warps=t.warps)
     return q_NF, s_N
 
 

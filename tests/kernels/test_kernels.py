@@ -115,6 +115,26 @@ def test_swiglu(N, Fh, gen):
         assert rel_err(got[:r], want[:r]) <= 1e-6
 
 
+@pytest.mark.parametrize("tile", [swiglu.RowTile(1, 128, 4), swiglu.RowTile(8, 64, 8), swiglu.RowTile(16, 256, 2)])
+def test_swiglu_gives_the_same_rows_on_any_tile(tile, gen):
+    """The tile only decides which program computes which elements (benchmarks/swiglu_tiles.py picks it by speed):
+    rows per program that do not divide N (powers of two, as tl.arange needs), column blocks narrower or wider than F,
+    any warps."""
+    N, Fh, T = 50, 200, 25
+    g, u, dh = torch.randn(3, N, Fh, generator=gen)
+    R = torch.tensor(45, dtype=torch.int32)
+    routing = (torch.rand(T, 2, generator=gen), torch.randperm(N, generator=gen).int())
+    assert torch.equal(swiglu.swiglu_fwd_triton(g, u, R, tile=tile)[:45], swiglu.swiglu_fwd_triton(g, u, R)[:45])
+    got = swiglu.swiglu_bwd_triton(g, u, dh, R, routing=routing, tile=tile)
+    want = swiglu.swiglu_bwd_triton(g, u, dh, R, routing=routing)
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a[:45], b[:45])
+    assert rel_err(got[3], want[3]) <= 1e-6  # the routing weight's gradient sums a row, in the tile's order
+    if tile.cols < Fh:  # quantizing needs the row's amax in one tile
+        with pytest.raises(ValueError, match="whole rows"):
+            swiglu.swiglu_bwd_triton(g, u, dh, R, quant=True, tile=tile)
+
+
 @pytest.mark.parametrize("T,K,EG,e0,e1,D", [(1, 1, 1, 0, 1, 8), (257, 3, 12, 4, 9, 200), (4096, 8, 64, 8, 40, 8)])
 def test_combine_forward(T, K, EG, e0, e1, D, gen):
     idx = random_idx(T, K, EG, gen)

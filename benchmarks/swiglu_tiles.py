@@ -1,0 +1,169 @@
+"""The SwiGLU kernels between the grouped GEMMs (kernels/swiglu.py) per tile: rows per program and warps.
+
+Run on one GPU:  PYTHONUNBUFFERED=1 python benchmarks/swiglu_tiles.py --out $OUT
+For each layer shape (N = T*K rows of the expert hidden size F, all valid, routing weights and pairs as the layer's
+backward hands them), four kernels:
+  fwd        h = silu(g) * u                                       (bf16 layer, unfused path)
+  fwd fp8    h's e4m3 rows and scales, h never written             (FP8 layer)
+  bwd        dg, du, w*h and the routing weight's gradient         (bf16 layer)
+  bwd fp8    the same plus the e4m3 rows of [dg du]                (FP8 layer)
+Every candidate tile's outputs are first compared with the default tile's (the element-wise outputs bit for bit; the
+routing weight's gradient, a row sum whose order the tile may change, to 1e-5), then timed (do_bench median with
+the L2 flushed, ms). GB/s counts each byte read or written once; a device-to-device copy of the same bytes, timed in
+the same run, is the ceiling it is compared with. Prints one line per kernel, shape and tile, a table last.
+`--smoke` runs a tiny fp32 version on the CPU (Triton's interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from moe_launch.kernels.swiglu import RowTile, row_tile, swiglu_bwd_triton, swiglu_fwd_fp8, swiglu_fwd_triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_layer import file_log  # noqa: E402
+
+KERNELS = ("fwd", "fwd fp8", "bwd", "bwd fp8")
+
+
+def shapes(smoke: bool) -> dict[str, tuple[int, int, int]]:
+    """name -> (tokens T, top-k K, expert hidden F)."""
+    if smoke:
+        return {"tiny": (24, 2, 32)}
+    return {"OLMoE 16k": (16384, 8, 1024), "OLMoE 8k": (8192, 8, 1024), "fine 128, F 768": (16384, 8, 768),
+            "very fine 256, F 512": (16384, 8, 512)}
+
+
+def candidates(F: int, smoke: bool) -> list[RowTile]:
+    """The default tile first, then rows per program x warps over whole-row column blocks (the FP8 variants need
+    whole rows; the bf16 ones are timed on the same tiles)."""
+    default = row_tile(F, not smoke)
+    if smoke:
+        return [default, RowTile(2, default.cols, 4)]
+    tiles = [RowTile(r, default.cols, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
+             if r * default.cols <= 16384 and r * default.cols >= 32 * w]
+    return [default] + [t for t in tiles if t != default]
+
+
+def run_kernel(kind: str, g, u, dh, num_rows, routing, tile: RowTile) -> tuple[torch.Tensor, ...]:
+    if kind == "fwd":
+        return (swiglu_fwd_triton(g, u, num_rows, tile=tile),)
+    if kind == "fwd fp8":
+        return swiglu_fwd_fp8(g, u, num_rows, tile=tile)
+    return swiglu_bwd_triton(g, u, dh, num_rows, quant=kind == "bwd fp8", routing=routing, tile=tile)
+
+
+def bytes_moved(kind: str, N: int, F: int, P: int, el: int) -> int:
+    """Bytes each kernel reads and writes once: g, u (and dh) in; h, or e4m3 codes and scales, or dg, du, w*h (and
+    [dg du] in e4m3 with scales) out; the backward also reads w and the row's pair and writes the weight's gradient."""
+    if kind == "fwd":
+        return 3 * N * F * el
+    if kind == "fwd fp8":
+        return 2 * N * F * el + N * F + 4 * N
+    moved = 6 * N * F * el + N * (4 + 4) + P * 4 * 2
+    return moved + (2 * N * F + 4 * N if kind == "bwd fp8" else 0)
+
+
+def same(outs, ref) -> float:
+    """0.0 where every element-wise output equals the default tile's bit for bit (dw, the fourth backward output, to
+    1e-5 relative); else the largest relative difference."""
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(outs, ref)):
+        a, b = a.float(), b.float()
+        if i == 3 and len(outs) > 2:  # dw_TK: a row sum
+            d = float((a - b).norm() / b.norm().clamp_min(1e-30))
+            worst = max(worst, d if d > 1e-5 else 0.0)
+        elif not torch.equal(a, b):
+            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-30)) or 1e-30)
+    return worst
+
+
+def measure(T: int, K: int, F: int, smoke: bool, log) -> dict:
+    dev = torch.device("cpu" if smoke else "cuda")
+    dt = torch.float32 if smoke else torch.bfloat16
+    N, P = T * K, T * K
+    gen = torch.Generator(device=dev).manual_seed(0)
+    g, u, dh = (torch.randn(N, F, device=dev, dtype=dt, generator=gen) for _ in range(3))
+    w_TK = torch.rand(T, K, device=dev, dtype=torch.float32, generator=gen)
+    row_pair_N = torch.randperm(N, device=dev, generator=gen).to(torch.int32)
+    num_rows = torch.tensor([N], device=dev, dtype=torch.int32)
+    out = {"T": T, "K": K, "F": F, "N": N, "rows": []}
+    if not smoke:
+        import triton.testing
+        src = torch.empty(3 * N * F * g.element_size() // 2, dtype=torch.int16, device=dev)
+        dst = torch.empty_like(src)
+        copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=100)
+        out["copy_GBps"] = 2 * src.numel() * 2 / copy_ms / 1e6
+        log(f"copy of {2 * src.numel() * 2 / 2**20:.0f} MiB read+write: {copy_ms:.3f} ms = {out['copy_GBps']:.0f} GB/s")
+        del src, dst
+    for kind in KERNELS:
+        if smoke and "fp8" in kind:
+            continue  # the e4m3 rows need the GPU's cast; tests/kernels checks them on the CPU against quantize_rows
+        routing = (w_TK, row_pair_N) if kind.startswith("bwd") else None
+        tiles = candidates(F, smoke)
+        ref = run_kernel(kind, g, u, dh, num_rows, routing, tiles[0])
+        for t in tiles:
+            outs = run_kernel(kind, g, u, dh, num_rows, routing, t)
+            diff = same(outs, ref)
+            row = {"kernel": kind, "rows": t.rows, "cols": t.cols, "warps": t.warps, "default": t == tiles[0],
+                   "diff": diff}
+            if diff:
+                log(f"{kind} {t}: differs from the default tile by {diff:.2e}; not timed")
+                out["rows"].append(row)
+                continue
+            if not smoke:
+                import triton.testing
+                ms = triton.testing.do_bench(lambda k=kind, r=routing, t=t: run_kernel(k, g, u, dh, num_rows, r, t),
+                                             rep=100)
+                row["ms"] = ms
+                row["GBps"] = bytes_moved(kind, N, F, P, g.element_size()) / ms / 1e6
+                log(f"{kind:8s} rows {t.rows:2d} cols {t.cols:4d} warps {t.warps:2d}: {ms:.3f} ms "
+                    f"{row['GBps']:.0f} GB/s{'  (default)' if row['default'] else ''}")
+            out["rows"].append(row)
+    return out
+
+
+def table(results: dict, log) -> None:
+    log("\n| shape | kernel | default tile: ms (GB/s) | best tile | best: ms (GB/s) | speed-up | copy GB/s |")
+    log("|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        for kind in KERNELS:
+            rows = [x for x in r["rows"] if x["kernel"] == kind and "ms" in x]
+            if not rows:
+                continue
+            d = next(x for x in rows if x["default"])
+            b = min(rows, key=lambda x: x["ms"])
+            log(f"| {name} | {kind} | {d['ms']:.3f} ({d['GBps']:.0f}) | {b['rows']} rows x {b['cols']}, "
+                f"{b['warps']} warps | {b['ms']:.3f} ({b['GBps']:.0f}) | {d['ms'] / b['ms']:.2f}x | "
+                f"{r.get('copy_GBps', 0):.0f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
+    log = file_log(args.out, f"swiglu_tiles-{stamp}.log")
+    meta = {"torch": torch.__version__, "gpu": None if args.smoke else torch.cuda.get_device_name(),
+            "utc": stamp}
+    log(json.dumps(meta))
+    results = {name: measure(T, K, F, args.smoke, log) for name, (T, K, F) in shapes(args.smoke).items()}
+    if not args.smoke:
+        table(results, log)
+    else:
+        bad = [(n, x) for n, r in results.items() for x in r["rows"] if x["diff"]]
+        if bad:
+            raise SystemExit(f"tiles disagree with the default tile: {bad}")
+    with open(os.path.join(args.out, f"swiglu_tiles-{stamp}.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
