@@ -11,12 +11,16 @@ Every candidate tile's outputs are first compared with the default tile's (the e
 routing weight's gradient, a row sum whose order the tile may change, to 1e-5), then timed (do_bench median with
 the L2 flushed, ms). GB/s counts each byte read or written once; a device-to-device copy of the same bytes, timed in
 the same run, is the ceiling it is compared with. Prints one line per kernel, shape and tile, a table last.
+`--layer` then times the layer (benchmarks/moe_shapes.py's rows bf16 and FP8 with weights reused, OLMoE dims at 16k
+tokens and 128 experts of F 768) with the default tiles and with each kernel's fastest tile from the sweep, alternating
+twice in the same process, every run checked against the naive pipeline first.
 `--smoke` runs a tiny fp32 version on the CPU (Triton's interpreter) to check the script itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,12 +28,11 @@ import time
 
 import torch
 
-from moe_launch.kernels.swiglu import RowTile, row_tile, swiglu_bwd_triton, swiglu_fwd_fp8, swiglu_fwd_triton
+from moe_launch.kernels import swiglu
+from moe_launch.kernels.swiglu import KERNELS, RowTile, row_tile, swiglu_bwd_triton, swiglu_fwd_fp8, swiglu_fwd_triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from moe_layer import file_log  # noqa: E402
-
-KERNELS = ("fwd", "fwd fp8", "bwd", "bwd fp8")
 
 
 def shapes(smoke: bool) -> dict[str, tuple[int, int, int]]:
@@ -40,10 +43,10 @@ def shapes(smoke: bool) -> dict[str, tuple[int, int, int]]:
             "very fine 256, F 512": (16384, 8, 512)}
 
 
-def candidates(F: int, smoke: bool) -> list[RowTile]:
+def candidates(F: int, smoke: bool, kind: str) -> list[RowTile]:
     """The default tile first, then rows per program x warps over whole-row column blocks (the FP8 variants need
     whole rows; the bf16 ones are timed on the same tiles)."""
-    default = row_tile(F, not smoke)
+    default = row_tile(F, not smoke, kind)
     if smoke:
         return [default, RowTile(2, default.cols, 4)]
     tiles = [RowTile(r, default.cols, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
@@ -106,7 +109,7 @@ def measure(T: int, K: int, F: int, smoke: bool, log) -> dict:
         if smoke and "fp8" in kind:
             continue  # the e4m3 rows need the GPU's cast; tests/kernels checks them on the CPU against quantize_rows
         routing = (w_TK, row_pair_N) if kind.startswith("bwd") else None
-        tiles = candidates(F, smoke)
+        tiles = candidates(F, smoke, kind)
         ref = run_kernel(kind, g, u, dh, num_rows, routing, tiles[0])
         for t in tiles:
             outs = run_kernel(kind, g, u, dh, num_rows, routing, t)
@@ -144,10 +147,71 @@ def table(results: dict, log) -> None:
                 f"{r.get('copy_GBps', 0):.0f} |")
 
 
+def best_tiles(results: dict) -> dict[tuple[str, int], RowTile]:
+    """(kernel, column block) -> the tile timed fastest at the most rows (the largest shape of that column block)."""
+    best: dict[tuple[str, int], tuple[int, RowTile]] = {}
+    for r in results.values():
+        for kind in KERNELS:
+            rows = [x for x in r["rows"] if x["kernel"] == kind and "ms" in x]
+            if rows:
+                b = min(rows, key=lambda x: x["ms"])
+                key = (kind, b["cols"])
+                if key not in best or r["N"] > best[key][0]:
+                    best[key] = (r["N"], RowTile(b["rows"], b["cols"], b["warps"]))
+    return {k: t for k, (_, t) in best.items()}
+
+
+@contextlib.contextmanager
+def tiles_in_use(best: dict[tuple[str, int], RowTile] | None):
+    """The layer's SwiGLU launches take these tiles (None: the defaults) while inside."""
+    default = swiglu.row_tile
+
+    def chosen(Fdim: int, cuda: bool, kernel: str) -> RowTile:
+        t = default(Fdim, cuda, kernel)
+        return best.get((kernel, t.cols), t) if best else t
+
+    swiglu.row_tile = chosen
+    try:
+        yield
+    finally:
+        swiglu.row_tile = default
+
+
+def layer_ab(best: dict[tuple[str, int], RowTile], log) -> list[dict]:
+    import moe_shapes as ms
+
+    runs = []
+    for shape in (ms.Shape("OLMoE dims, 16k tokens", ms.Dims(T=16384, D=2048, F=1024, E=64, K=8)),
+                  ms.Shape("fine: 128 experts, F 768", ms.Dims(T=16384, D=2048, F=768, E=128, K=8))):
+        for rnd in range(2):
+            for label, tiles in (("default", None), ("best", best)):
+                with tiles_in_use(tiles):
+                    res = ms.run_shape(shape, torch.device("cuda"), torch.bfloat16, True, 300, log,
+                                       rows=["bf16", "fp8-reused"])
+                for row in ("bf16", "fp8-reused"):
+                    r = res["rows"][ms.ROW_KEYS[row]]
+                    runs.append({"shape": shape.name, "round": rnd, "tiles": label, "row": row, "ms": r.get("ms"),
+                                 "ok": r.get("ok"), "err": r.get("error")})
+    log("\n| shape | row | default tiles ms (run 1, run 2) | fastest tiles ms (run 1, run 2) | change of the means |")
+    log("|---|---|---|---|---|")
+    for shape in dict.fromkeys(r["shape"] for r in runs):
+        for row in ("bf16", "fp8-reused"):
+            sel = [r for r in runs if r["shape"] == shape and r["row"] == row]
+            if any(r["ms"] is None or not r["ok"] for r in sel):
+                log(f"| {shape} | {row} | failed: {[(r['tiles'], r['ok'], r['err']) for r in sel]} | | |")
+                continue
+            d = [r["ms"] for r in sel if r["tiles"] == "default"]
+            b = [r["ms"] for r in sel if r["tiles"] == "best"]
+            log(f"| {shape} | {row} | {d[0]:.3f}, {d[1]:.3f} | {b[0]:.3f}, {b[1]:.3f} | "
+                f"{100 * (sum(b) / sum(d) - 1):+.1f}% |")
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--layer", action="store_true", help="then the layer with the default and the fastest tiles")
     args = ap.parse_args()
     stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
     log = file_log(args.out, f"swiglu_tiles-{stamp}.log")
@@ -155,14 +219,20 @@ def main() -> None:
             "utc": stamp}
     log(json.dumps(meta))
     results = {name: measure(T, K, F, args.smoke, log) for name, (T, K, F) in shapes(args.smoke).items()}
+    out = {"meta": meta, "results": results}
     if not args.smoke:
         table(results, log)
+        best = best_tiles(results)
+        out["best"] = {f"{k} / {c}": vars(t) for (k, c), t in best.items()}
+        log("fastest tiles: " + json.dumps(out["best"]))
+        if args.layer:
+            out["layer"] = layer_ab(best, log)
     else:
         bad = [(n, x) for n, r in results.items() for x in r["rows"] if x["diff"]]
         if bad:
             raise SystemExit(f"tiles disagree with the default tile: {bad}")
     with open(os.path.join(args.out, f"swiglu_tiles-{stamp}.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
+        json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

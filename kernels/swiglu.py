@@ -117,15 +117,18 @@ class RowTile:
     warps: int = 4
 
 
-def row_tile(Fdim: int, cuda: bool) -> RowTile:
-    """The default tile: 4,096 elements per program on the GPU (the interpreter takes larger ones: it pays per
-    program, not per element)."""
+KERNELS = ("fwd", "fwd fp8", "bwd", "bwd fp8")  # the four launches: SwiGLU forward / backward, each with FP8 rows
+
+
+def row_tile(Fdim: int, cuda: bool, kernel: str) -> RowTile:
+    """The default tile of one of KERNELS: 4,096 elements per program on the GPU (the interpreter takes larger ones:
+    it pays per program, not per element)."""
     cols = min(next_pow2(Fdim), _MAX_BLOCK_F)
     return RowTile(max(1, (4096 if cuda else 65536) // cols), cols)
 
 
-def _blocks(N: int, Fdim: int, cuda: bool, tile: RowTile | None) -> tuple[RowTile, tuple[int, int]]:
-    t = tile or row_tile(Fdim, cuda)
+def _blocks(N: int, Fdim: int, cuda: bool, tile: RowTile | None, kernel: str) -> tuple[RowTile, tuple[int, int]]:
+    t = tile or row_tile(Fdim, cuda, kernel)
     return t, (max(1, triton.cdiv(N, t.rows)), triton.cdiv(Fdim, t.cols))
 
 
@@ -143,7 +146,7 @@ def swiglu_fwd_triton(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Te
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     N, Fdim = g_NF.shape
     h_NF = row_buffer(N, Fdim, g_NF.dtype, g_NF.device)
-    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "fwd")
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), h_NF.stride(0), 0)
     launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, h_NF, num_rows, h_NF, h_NF, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols,
            QUANT=False, SOFT_ROUND=False, UNIT=u, num_warps=t.warps)
@@ -164,7 +167,7 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
         w_TK, row_pair_N = routing
         w_P = w_TK.contiguous().view(-1)
         dw_P = torch.zeros_like(w_P)
-    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "bwd fp8" if quant else "bwd")
     if quant and t.cols < Fdim:
         raise ValueError(f"quantizing [dg du] in the SwiGLU backward needs whole rows per tile: cols {t.cols} < "
                          f"F {Fdim}")
@@ -192,7 +195,7 @@ def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tenso
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     q_NF = torch.empty(max(N, capacity), Fdim, dtype=E4M3, device=g_NF.device)
     s_N = torch.empty(max(N, capacity), dtype=torch.float32, device=g_NF.device)
-    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "fwd fp8")
     if t.cols < Fdim:
         raise ValueError(f"quantizing h in the SwiGLU forward needs whole rows per tile: cols {t.cols} < F {Fdim}")
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), 0, q_NF.stride(0))
