@@ -49,8 +49,9 @@ def candidates(F: int, smoke: bool, kind: str) -> list[RowTile]:
     default = row_tile(F, not smoke, kind)
     if smoke:
         return [default, RowTile(2, default.cols, 4)]
-    tiles = [RowTile(r, default.cols, w) for r in (1, 2, 4, 8, 16) for w in (4, 8, 16)
-             if r * default.cols <= 16384 and r * default.cols >= 32 * w]
+    # 8 rows of 1,024 at 4 warps already spill registers (ptxas); more rows per program only cut the programs
+    tiles = [RowTile(r, default.cols, w) for r in (1, 2, 4, 8) for w in (4, 8, 16)
+             if (r, w) != (8, 4) and r * default.cols >= 32 * w]
     return [default] + [t for t in tiles if t != default]
 
 
