@@ -213,13 +213,16 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--layer", action="store_true", help="then the layer with the default and the fastest tiles")
+    ap.add_argument("--only", default="", help="comma-separated substrings: sweep the shapes whose name has one")
     args = ap.parse_args()
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     stamp = time.strftime("%Y-%m-%d-%H%M", time.gmtime())
     log = file_log(args.out, f"swiglu_tiles-{stamp}.log")
     meta = {"torch": torch.__version__, "gpu": None if args.smoke else torch.cuda.get_device_name(),
             "utc": stamp}
     log(json.dumps(meta))
-    results = {name: measure(T, K, F, args.smoke, log) for name, (T, K, F) in shapes(args.smoke).items()}
+    results = {name: measure(T, K, F, args.smoke, log) for name, (T, K, F) in shapes(args.smoke).items()
+               if not wanted or any(w in name for w in wanted)}
     out = {"meta": meta, "results": results}
     if not args.smoke:
         table(results, log)
