@@ -122,7 +122,8 @@ KERNELS = ("fwd", "fwd fp8", "bwd", "bwd fp8")  # the four launches: SwiGLU forw
 
 def row_tile(Fdim: int, cuda: bool, kernel: str) -> RowTile:
     """The default tile of one of KERNELS: 4,096 elements per program on the GPU (the interpreter takes larger ones:
-    it pays per program, not per element)."""
+    it pays per program, not per element). The four take the same tile; `kernel` is there so that each can take the
+    one benchmarks/swiglu_tiles.py finds fastest for it (its --layer run swaps this function for that)."""
     cols = min(next_pow2(Fdim), _MAX_BLOCK_F)
     return RowTile(max(1, (4096 if cuda else 65536) // cols), cols)
 
