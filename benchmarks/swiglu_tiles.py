@@ -65,7 +65,8 @@ def run_kernel(kind: str, g, u, dh, num_rows, routing, tile: RowTile) -> tuple[t
 
 def bytes_moved(kind: str, N: int, F: int, P: int, el: int) -> int:
     """Bytes each kernel reads and writes once: g, u (and dh) in; h, or e4m3 codes and scales, or dg, du, w*h (and
-    [dg du] in e4m3 with scales) out; the backward also reads w and the row's pair and writes the weight's gradient."""
+    [dg du] in e4m3 with scales) out; the backward also reads w and the row's pair and writes the weight's gradient,
+    which the call zeroes first."""
     if kind == "fwd":
         return 3 * N * F * el
     if kind == "fwd fp8":
@@ -91,7 +92,7 @@ def same(outs, ref) -> float:
 def measure(T: int, K: int, F: int, smoke: bool, log) -> dict:
     dev = torch.device("cpu" if smoke else "cuda")
     dt = torch.float32 if smoke else torch.bfloat16
-    N, P = T * K, T * K
+    N = P = T * K  # every pair served by one row
     gen = torch.Generator(device=dev).manual_seed(0)
     g, u, dh = (torch.randn(N, F, device=dev, dtype=dt, generator=gen) for _ in range(3))
     w_TK = torch.rand(T, K, device=dev, dtype=torch.float32, generator=gen)

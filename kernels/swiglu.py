@@ -130,6 +130,8 @@ def row_tile(Fdim: int, cuda: bool, kernel: str) -> RowTile:
 
 def _blocks(N: int, Fdim: int, cuda: bool, tile: RowTile | None, kernel: str) -> tuple[RowTile, tuple[int, int]]:
     t = tile or row_tile(Fdim, cuda, kernel)
+    if kernel.endswith("fp8") and t.cols < Fdim:  # a row's scale needs its amax over the whole row in one tile
+        raise ValueError(f"SwiGLU {kernel} quantizes whole rows per tile: cols {t.cols} < F {Fdim}")
     return t, (max(1, triton.cdiv(N, t.rows)), triton.cdiv(Fdim, t.cols))
 
 
@@ -160,6 +162,7 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
     by default; with quant its cols must cover F."""
     g_NF, u_NF, dh_NF = _unit_stride(g_NF, u_NF, dh_NF)
     N, Fdim = g_NF.shape
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "bwd fp8" if quant else "bwd")  # refuses a bad tile first
     dg_NF, du_NF, h_NF = (row_buffer(N, Fdim, g_NF.dtype, g_NF.device) for _ in range(3))
     q_N2F = torch.empty(N, 2 * Fdim, dtype=E4M3, device=g_NF.device) if quant else h_NF
     s_N = torch.empty(N, dtype=torch.float32, device=g_NF.device) if quant else h_NF
@@ -168,10 +171,6 @@ def swiglu_bwd_triton(g_NF, u_NF, dh_NF, num_rows, quant: bool = False, routing=
         w_TK, row_pair_N = routing
         w_P = w_TK.contiguous().view(-1)
         dw_P = torch.zeros_like(w_P)
-    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "bwd fp8" if quant else "bwd")
-    if quant and t.cols < Fdim:
-        raise ValueError(f"quantizing [dg du] in the SwiGLU backward needs whole rows per tile: cols {t.cols} < "
-                         f"F {Fdim}")
     ints, u = _in_units(Fdim, *(b.stride(0) for b in (g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, q_N2F)))
     launch(_swiglu_bwd_kernel, grid[:1], g_NF, u_NF, dh_NF, dg_NF, du_NF, h_NF, num_rows, q_N2F, s_N, w_P,
            row_pair_N, dw_P, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols, QUANT=quant, ROUTED=routing is not None,
@@ -193,12 +192,10 @@ def swiglu_fwd_fp8(g_NF: torch.Tensor, u_NF: torch.Tensor, num_rows: torch.Tenso
     N, Fdim = g_NF.shape
     if not fuses_fp8(Fdim):
         return quantize_rows(swiglu_fwd(g_NF, u_NF, num_rows), num_rows)
+    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "fwd fp8")  # refuses a bad tile first
     g_NF, u_NF = _unit_stride(g_NF, u_NF)
     q_NF = torch.empty(max(N, capacity), Fdim, dtype=E4M3, device=g_NF.device)
     s_N = torch.empty(max(N, capacity), dtype=torch.float32, device=g_NF.device)
-    t, grid = _blocks(N, Fdim, g_NF.is_cuda, tile, "fwd fp8")
-    if t.cols < Fdim:
-        raise ValueError(f"quantizing h in the SwiGLU forward needs whole rows per tile: cols {t.cols} < F {Fdim}")
     ints, u = _in_units(Fdim, g_NF.stride(0), u_NF.stride(0), 0, q_NF.stride(0))
     launch(_swiglu_fwd_kernel, grid, g_NF, u_NF, g_NF, num_rows, q_NF, s_N, *ints, BLOCK_R=t.rows, BLOCK_F=t.cols,
            QUANT=True, SOFT_ROUND=not g_NF.is_cuda, UNIT=u, num_warps=t.warps)
