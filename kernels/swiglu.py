@@ -121,11 +121,14 @@ KERNELS = ("fwd", "fwd fp8", "bwd", "bwd fp8")  # the four launches: SwiGLU forw
 
 
 def row_tile(Fdim: int, cuda: bool, kernel: str) -> RowTile:
-    """The default tile of one of KERNELS: 4,096 elements per program on the GPU (the interpreter takes larger ones:
-    it pays per program, not per element). The four take the same tile; `kernel` is there so that each can take the
-    one benchmarks/swiglu_tiles.py finds fastest for it (its --layer run swaps this function for that)."""
+    """The default tile of one of KERNELS, 4 warps. On the GPU the forward takes 4,096 elements per program and the
+    backward 1,024: it holds g, u, dh, their two gradients, h and the routing sums at once, and at 4,096 elements
+    Hopper fits only 2-3 of its programs per SM (139 registers a thread, 191 with FP8 rows). benchmarks/swiglu_tiles.py
+    times the candidates (its --layer run swaps this function). The interpreter takes larger tiles: it pays per
+    program, not per element."""
     cols = min(next_pow2(Fdim), _MAX_BLOCK_F)
-    return RowTile(max(1, (4096 if cuda else 65536) // cols), cols)
+    elements = (1024 if kernel.startswith("bwd") else 4096) if cuda else 65536
+    return RowTile(max(1, elements // cols), cols)
 
 
 def _blocks(N: int, Fdim: int, cuda: bool, tile: RowTile | None, kernel: str) -> tuple[RowTile, tuple[int, int]]:

@@ -49,10 +49,12 @@ def main() -> None:
                   **{f"stride_{n}": I32 for n in ("g", "u", "dh", "dg", "du", "h", "q")},
                   "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "ROUTED": C, "SOFT_ROUND": C, "UNIT": C}
     for quant in (False, True):
-        meta = {"BLOCK_R": 4, "BLOCK_F": 1024, "QUANT": quant, "SOFT_ROUND": False}
-        compile_sm90(swiglu._swiglu_fwd_kernel, swiglu_fwd, meta)
-        for routed in (False, True):
-            compile_sm90(swiglu._swiglu_bwd_kernel, swiglu_bwd, {**meta, "ROUTED": routed})
+        for kernel, sig in (("fwd", swiglu_fwd), ("bwd", swiglu_bwd)):
+            t = swiglu.row_tile(1024, True, kernel + " fp8" if quant else kernel)  # the tiles the layer launches
+            meta = {"BLOCK_R": t.rows, "BLOCK_F": t.cols, "QUANT": quant, "SOFT_ROUND": False}
+            for routed in ((None,) if kernel == "fwd" else (False, True)):
+                compile_sm90(getattr(swiglu, f"_swiglu_{kernel}_kernel"), sig,
+                             meta if routed is None else {**meta, "ROUTED": routed}, num_warps=t.warps)
     quant_rows = {"x_ptr": "*bf16", "t_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "num_rows_ptr": "*i32",
                   "R": I32, "C": I32, "Ct": I32, **{f"s_{n}": I64 for n in ("xb", "xr", "xc", "tb", "tr", "tc", "qb",
                                                                            "qr", "sb")},
