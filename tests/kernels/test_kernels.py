@@ -135,6 +135,19 @@ def test_swiglu_gives_the_same_rows_on_any_tile(tile, gen):
             swiglu.swiglu_bwd_triton(g, u, dh, R, quant=True, tile=tile)
 
 
+@pytest.mark.parametrize("Fh", [1, 200, 512, 768, 1024, 1100, 2880])
+def test_default_gpu_tiles_hold_whole_rows_where_they_quantize(Fh):
+    """Every kernel's default GPU tile launches: the quantizing ones, wherever the row fits one tile (fuses_fp8), take
+    it whole, and a backward program stays near 1,024 elements whatever F (its registers limit it, not the rows)."""
+    for kernel in swiglu.KERNELS:
+        t = swiglu.row_tile(Fh, True, kernel)
+        if kernel.endswith("fp8") and swiglu.fuses_fp8(Fh):
+            assert t.cols >= Fh
+            swiglu._blocks(4096, Fh, True, None, kernel)  # raises on a tile that splits a row
+        if kernel.startswith("bwd"):
+            assert t.rows * t.cols <= 1024 or t.rows == 1
+
+
 @pytest.mark.parametrize("T,K,EG,e0,e1,D", [(1, 1, 1, 0, 1, 8), (257, 3, 12, 4, 9, 200), (4096, 8, 64, 8, 40, 8)])
 def test_combine_forward(T, K, EG, e0, e1, D, gen):
     idx = random_idx(T, K, EG, gen)
