@@ -48,13 +48,14 @@ def main() -> None:
                   "row_pair_ptr": "*i32", "dw_ptr": "*fp32", "Fdim": I32,
                   **{f"stride_{n}": I32 for n in ("g", "u", "dh", "dg", "du", "h", "q")},
                   "BLOCK_R": C, "BLOCK_F": C, "QUANT": C, "ROUTED": C, "SOFT_ROUND": C, "UNIT": C}
-    for quant in (False, True):
-        for kernel, sig in (("fwd", swiglu_fwd), ("bwd", swiglu_bwd)):
-            t = swiglu.row_tile(1024, True, kernel + " fp8" if quant else kernel)  # the tiles the layer launches
-            meta = {"BLOCK_R": t.rows, "BLOCK_F": t.cols, "QUANT": quant, "SOFT_ROUND": False}
-            for routed in ((None,) if kernel == "fwd" else (False, True)):
-                compile_sm90(getattr(swiglu, f"_swiglu_{kernel}_kernel"), sig,
-                             meta if routed is None else {**meta, "ROUTED": routed}, num_warps=t.warps)
+    for quant in (False, True):  # at the tiles the layer launches
+        fwd, bwd = (swiglu.row_tile(1024, True, k + " fp8" if quant else k) for k in ("fwd", "bwd"))
+        compile_sm90(swiglu._swiglu_fwd_kernel, swiglu_fwd, {"BLOCK_R": fwd.rows, "BLOCK_F": fwd.cols, "QUANT": quant,
+                                                             "SOFT_ROUND": False}, num_warps=fwd.warps)
+        for routed in (False, True):
+            compile_sm90(swiglu._swiglu_bwd_kernel, swiglu_bwd, {"BLOCK_R": bwd.rows, "BLOCK_F": bwd.cols,
+                                                                 "QUANT": quant, "SOFT_ROUND": False,
+                                                                 "ROUTED": routed}, num_warps=bwd.warps)
     quant_rows = {"x_ptr": "*bf16", "t_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "num_rows_ptr": "*i32",
                   "R": I32, "C": I32, "Ct": I32, **{f"s_{n}": I64 for n in ("xb", "xr", "xc", "tb", "tr", "tc", "qb",
                                                                            "qr", "sb")},
