@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_gpu import host_gpu_capability
-from kernel_helpers import random_idx, rel_err, run_compiled
+from kernel_helpers import input_generator, random_idx, rel_err, run_compiled
 
 from moe_launch.conf.schema import ModelConfig, MoEConfig
 from moe_launch.errors import ConfigError
@@ -18,10 +18,6 @@ from moe_launch.kernels.index_gen import route_indices
 from moe_launch.kernels.moe import _Fp8Gemms, fast_experts
 from moe_launch.trainer.moe import layer as layer_mod
 from moe_launch.trainer.moe.reference import experts_reference
-
-
-def _gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
 
 
 def _wide_rows(R: int, C: int, gen: torch.Generator, dtype=torch.bfloat16) -> torch.Tensor:
@@ -44,7 +40,7 @@ def _all_e4m3_and_ties() -> torch.Tensor:
 
 @pytest.mark.parametrize("pow2", [True, False])
 def test_scales_from_amax(pow2):
-    x = _wide_rows(40, 77, _gen(), torch.float32)
+    x = _wide_rows(40, 77, input_generator(), torch.float32)
     s = fp8.row_scales_reference(x, pow2)
     amax = x.abs().amax(1).clamp_min(fp8.AMAX_EPS)
     if pow2:
@@ -80,7 +76,7 @@ def test_zero_rows_and_saturation(impl, pow2):
 @pytest.mark.parametrize("pow2", [True, False])
 def test_round_trip_error_is_half_a_step(pow2):
     """|x - q*s| <= half an e4m3 step: 2^-4 |x| in the normal range, s * 2^-10 in the subnormal one."""
-    x = _wide_rows(33, 200, _gen(), torch.float32)
+    x = _wide_rows(33, 200, input_generator(), torch.float32)
     q, s = fp8.quantize_rows(x, pow2=pow2)
     err = (fp8.dequantize_rows(q, s) - x).abs()
     bound = torch.maximum(x.abs() * 2.0**-4, s[:, None] * 2.0**-10) * (1 + 1e-6)
@@ -91,7 +87,7 @@ def test_round_trip_error_is_half_a_step(pow2):
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("R,C", [(1, 16), (37, 300), (130, 2048), (9, 3000), (5, 5000)])
 def test_triton_quantization_equals_reference(R, C, pow2):
-    x = _wide_rows(R, C, _gen()) if R > 2 else torch.randn(R, C, generator=_gen()).bfloat16()
+    x = _wide_rows(R, C, input_generator()) if R > 2 else torch.randn(R, C, generator=input_generator()).bfloat16()
     q, s = fp8.quantize_rows(x, pow2=pow2)
     q_ref, s_ref = fp8.quantize_rows_reference(x, pow2=pow2)
     assert q.dtype == fp8.E4M3 and q.is_contiguous() and s.dtype == torch.float32
@@ -108,7 +104,7 @@ def test_triton_rounds_every_value_and_tie_like_the_cast():
 
 
 def test_strided_batched_and_row_bounded():
-    gen = _gen()
+    gen = input_generator()
     w_EFD = torch.randn(3, 40, 72, generator=gen).bfloat16()
     view = w_EFD.transpose(1, 2)  # channels read across the stored rows
     q, s = fp8.quantize_rows(view)
@@ -122,7 +118,7 @@ def test_strided_batched_and_row_bounded():
 
 
 def test_quantize_operand_layout_and_error():
-    b_EKM = torch.randn(4, 48, 32, generator=_gen()).bfloat16()
+    b_EKM = torch.randn(4, 48, 32, generator=input_generator()).bfloat16()
     q, s = fp8.quantize_operand(b_EKM)
     assert q.shape == b_EKM.shape and q.stride(-2) == 1 and s.shape == (4, 32)  # column-major, one scale per m
     deq = q.float() * s[:, None, :]
@@ -135,7 +131,7 @@ def _plan(T, K, E, gen, skip=range(0)):
 
 
 def test_scaled_grouped_mm_reference_is_the_dequantized_product():
-    gen = _gen()
+    gen = input_generator()
     plan = _plan(90, 2, 8, gen, skip=range(2, 4))  # experts 2 and 3 get no rows
     N, Kd, M = plan.capacity, 48, 40
     aq, as_ = fp8.quantize_rows(torch.randn(N, Kd, generator=gen))
@@ -176,7 +172,7 @@ def test_presented_rows_keep_the_operand_and_add_unread_ones():
 
 
 def test_operands_with_presented_rows_give_the_plans_rows():
-    gen = _gen()
+    gen = input_generator()
     plan = _plan(50, 2, 4, gen)
     N, Kd, M = plan.capacity, 32, 16
     aq, as_ = fp8.quantize_rows(torch.randn(N, Kd, generator=gen))
@@ -189,7 +185,7 @@ def test_operands_with_presented_rows_give_the_plans_rows():
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 def test_producers_allocate_the_presented_rows(impl):
-    gen = _gen()
+    gen = input_generator()
     plan = _plan(40, 2, 4, gen)
     N = plan.capacity
     x = torch.randn(40, 24, generator=gen)
@@ -205,7 +201,7 @@ def test_producers_allocate_the_presented_rows(impl):
 
 
 def test_gathered_rows_are_the_tokens_quantized_once():
-    gen = _gen()
+    gen = input_generator()
     T, K, E, D = 60, 3, 6, 32
     idx = random_idx(T, K, E, gen)
     plan = route_indices(idx, 0, E)
@@ -223,7 +219,7 @@ def test_gathered_rows_are_the_tokens_quantized_once():
 def test_fp8_layer_is_within_fp8_error_of_the_bf16_reference(T, D, Fh, E, EG, e0, K, skip):
     """Output and every gradient within 10% relative L2 of experts_reference on the same bf16 inputs, and not within
     1% (a path that silently ran bf16 would be)."""
-    gen = _gen()
+    gen = input_generator()
     idx = random_idx(T, K, EG, gen, skip)
     ts = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen), torch.randn(E, Fh, D, generator=gen) / 8,
           torch.randn(E, Fh, D, generator=gen) / 8, torch.randn(E, D, Fh, generator=gen) / 6]
@@ -246,7 +242,7 @@ def test_fp8_layer_keeps_the_tokens_not_their_gathered_rows_for_backward():
     """The bf16 rows x_ND only feed the weight gradients in the FP8 path: it keeps x_TD (T rows, not T*K) and gathers
     in the backward, and no path keeps y_ND (the SwiGLU backward takes the routing weight's gradient). Counted by the
     tensors autograd saves: bf16 keeps x_ND as its one [T*K, D] buffer, FP8 none."""
-    gen = _gen()
+    gen = input_generator()
     T, D, Fh, E, K = 64, 32, 16, 8, 4
     idx = random_idx(T, K, E, gen)
     ps = [torch.randn(T, D, generator=gen), torch.rand(T, K, generator=gen), torch.randn(E, Fh, D, generator=gen),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_gpu import host_has_gpu
-from kernel_helpers import random_idx, rel_err, run_compiled
+from kernel_helpers import input_generator, random_idx, rel_err, run_compiled
 
 from moe_launch.conf.schema import MoEConfig
 from moe_launch.kernels import grouped_gemm
@@ -20,7 +20,7 @@ from moe_launch.trainer.moe import layer as layer_mod
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)
+    return input_generator()
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers_gpu import host_has_gpu
-from kernel_helpers import random_idx, rel_err, run_compiled
+from kernel_helpers import input_generator, random_idx, rel_err, run_compiled
 
 from moe_launch.kernels import gather, grouped_gemm, reduce, swiglu
 from moe_launch.kernels.index_gen import route_indices
@@ -32,7 +32,7 @@ FIELDS = ("counts_E", "ends_E", "offsets_E1", "row_token_N", "row_pair_N", "pair
 
 @pytest.fixture
 def gen() -> torch.Generator:
-    return torch.Generator().manual_seed(torch.seed() % 2**31)  # fresh inputs each run; seed shown on failure
+    return input_generator()
 
 
 @pytest.mark.parametrize("T,K,EG,e0,e1,skip", ROUTES)
