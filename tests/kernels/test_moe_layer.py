@@ -1,9 +1,8 @@
 """fast_experts (FastSparseMoE) equals trainer.moe.reference.experts_reference: forward and every gradient.
 
 fp32 on the CPU under Triton's interpreter; tolerance 1e-5 relative L2 error (for the routing weights' gradient,
-relative to the size of its terms). Cases cover one expert,
-a rank owning a sub-range of the experts (tokens whose experts are all remote get y = 0), experts with zero tokens,
-top-k 1..8, and 4096 tokens at a tiny hidden size.
+relative to the size of its terms). Cases cover one expert, a rank owning a sub-range of the experts (tokens whose
+experts are all remote get y = 0), experts with zero tokens, top-k 1..8, and 4096 tokens at a tiny hidden size.
 """
 
 from __future__ import annotations
