@@ -154,6 +154,10 @@ def main() -> None:
                  ("olmoe-16L-4x-4mb", base, 4, 4, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-4mb", fp8, 4, 4, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-4mb-xs", fp8, 4, 4, 4096, True, ()),
+                 # twice the micro-batches per step (still far below a real global batch's): the optimizer update and
+                 # the FP8 weight quantization, once per step, weigh half as much
+                 ("olmoe-16L-4x-8mb", base, 4, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-8mb", fp8, 4, 8, 4096, True, ()),
                  # the router's GEMMs in fp32 on the CUDA cores
                  ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),
