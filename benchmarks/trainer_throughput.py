@@ -158,6 +158,7 @@ def main() -> None:
                  # the FP8 weight quantization, once per step, weigh half as much
                  ("olmoe-16L-4x-8mb", base, 4, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-8mb", fp8, 4, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-16mb", fp8, 4, 16, 4096, True, ()),
                  # the router's GEMMs in fp32 on the CUDA cores
                  ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),
