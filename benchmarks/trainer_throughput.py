@@ -113,8 +113,8 @@ def main() -> None:
         def xent_torch(m):  # model.cross_entropy_fusion=false
             return dataclasses.replace(m, cross_entropy_fusion=False)
 
-        def qk_modules(m):  # model.qk_norm_rope_fusion=false: QK-norm and RoPE as compiled modules
-            return dataclasses.replace(m, qk_norm_rope_fusion=False)
+        def qk(m, fused):  # model.qk_norm_rope_fusion: QK-norm and RoPE as one kernel, or as the compiled modules
+            return dataclasses.replace(m, qk_norm_rope_fusion=fused)
 
         def cutlass(m):  # model.moe.grouped_gemm=torch: every row GEMM on torch's CUTLASS kernels
             return dataclasses.replace(m, moe=dataclasses.replace(m.moe, grouped_gemm="torch"))
@@ -162,10 +162,13 @@ def main() -> None:
                  ("olmoe-16L-4x-8mb", base, 4, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-8mb", fp8, 4, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-16mb", fp8, 4, 16, 4096, True, ()),
-                 # QK-norm and RoPE as the compiled modules instead of the fused kernel
-                 ("olmoe-16L-fp8-4x-8mb-qk-modules", qk_modules(fp8), 4, 8, 4096, True, ()),
-                 ("olmoe-16L-fp8-8mb-qk-modules", qk_modules(fp8), 2, 8, 4096, True, ()),
-                 ("olmoe-4L-fp8-16x-4mb-qk-modules", qk_modules(l4_fp8), 16, 4, 4096, True, ()),
+                 # QK-norm and RoPE as one kernel each for q and k, and as the compiled modules
+                 ("olmoe-16L-fp8-4x-8mb-qk-fused", qk(fp8, True), 4, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-4x-8mb-qk-modules", qk(fp8, False), 4, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-8mb-qk-fused", qk(fp8, True), 2, 8, 4096, True, ()),
+                 ("olmoe-16L-fp8-8mb-qk-modules", qk(fp8, False), 2, 8, 4096, True, ()),
+                 ("olmoe-4L-fp8-16x-4mb-qk-fused", qk(l4_fp8, True), 16, 4, 4096, True, ()),
+                 ("olmoe-4L-fp8-16x-4mb-qk-modules", qk(l4_fp8, False), 16, 4, 4096, True, ()),
                  # the router's GEMMs in fp32 on the CUDA cores
                  ("olmoe-16L-fp8-8mb-router-fp32", router_fp32(fp8), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-4mb-router-fp32", router_fp32(l4_fp8), 4, 4, 4096, True, ()),

@@ -49,7 +49,7 @@ class ModelConfig:
     cross_entropy_fusion: bool = True
     # QK-norm and RoPE of q and of k as one Triton kernel each, forward and backward, on CUDA (kernels/norm_rope.py);
     # false: the norm and the rotation as separate modules (which torch.compile fuses, in two backward passes)
-    qk_norm_rope_fusion: bool = True
+    qk_norm_rope_fusion: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)
     # "hf:/path" (safetensors + config.json), "ckpt:/path/model-step-N", or None for random init
     init_from: Optional[str] = None
