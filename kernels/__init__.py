@@ -12,6 +12,9 @@ Entry points (each stage file holds the Triton path, a plain-torch reference, an
   reduce.combine(rows_ND, plan.pair_row_TK, w_TK) -> y_TD
   cross_entropy.softmax_xent_(logits_CV, y_C, ignore_index, write_grad) -> loss_C
       the output head's per-chunk softmax, loss and logit gradient (trainer/model/loss.py, model.cross_entropy_fusion)
+  norm_rope.norm_rope(x_BSD, w_D, eps, cos_SDh, sin_signed_SDh) -> y_BSD
+      QK-norm and RoPE of one attention projection, forward and backward (trainer/model/attention.py,
+      model.qk_norm_rope_fusion)
 An expert-parallel dispatcher can run route_indices on the tokens it received (all-gathered or all-to-all'd) with
 its own [e_start, e_end) and call fast_experts on them: pairs routed elsewhere contribute nothing.
 
