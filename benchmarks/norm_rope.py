@@ -22,26 +22,15 @@ import os
 import time
 
 import torch
+from cross_entropy import bench, rel_err
 
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ModelConfig
 from moe_launch.kernels.norm_rope import norm_rope
+from moe_launch.trainer.dtypes import cast_parameters
 from moe_launch.trainer.model.attention import Attention
 from moe_launch.trainer.model.norm import RMSNorm
 from moe_launch.trainer.model.rope import Rotary
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-
-
-def bench(fn, device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-    t0 = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - t0)
 
 
 def fwd_bwd(fn, x, params, g):
@@ -89,8 +78,8 @@ def attention_rows(cfg: ModelConfig, B: int, S: int, device, dtype, compile_: bo
     for fusion in (False, True):
         c = ModelConfig(**{**cfg.__dict__, "qk_norm_rope_fusion": fusion})
         torch.manual_seed(2)
-        attn = Attention(c, Rotary(c.head_dim, S, c.rope_theta).to(device)).to(device, dtype)
-        attn.rotary = attn.rotary.to(device)
+        attn = Attention(c, Rotary(c.head_dim, S, c.rope_theta)).to(device)
+        cast_parameters(attn, dtype)  # as the trainer does: the rotary tables stay fp32
         if compile_:
             attn.compile()
         run = fwd_bwd(attn, x_BSD, list(attn.parameters()), g_BSD)

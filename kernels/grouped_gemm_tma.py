@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, row_buffer, tma_allocator, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, row_buffer, sm_count, tma_allocator, unit_of
 
 PROMOTE_K = 128
 
@@ -167,16 +167,10 @@ def _gmm_persistent_kernel(
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-_SMS: dict[int, int] = {}
-
-
 def programs_for(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a few programs, each walking several tiles
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
+    return sm_count(device)
 
 
 def b_kmajor(b_EKM: torch.Tensor) -> bool:

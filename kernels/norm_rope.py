@@ -30,11 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_launch.kernels._launch import launch, next_pow2, unit_of
+from moe_launch.kernels._launch import launch, next_pow2, sm_count, unit_of
 
 _TILE_ELEMS = 4096  # elements of x per tile: whole rows, two of them at OLMoE's D = 2048
 _STRIPS_PER_SM = 4  # backward programs per SM: enough rows in flight to keep HBM busy, few weight-gradient partials
-_SMS: dict[int, int] = {}
 
 
 @triton.jit
@@ -126,12 +125,8 @@ def _tiles(D: int, head_dim: int) -> tuple[int, int]:
 
 
 def _programs(N: int, BLOCK_R: int, device: torch.device) -> int:
-    if device.type != "cuda":
-        return min(4, triton.cdiv(N, BLOCK_R))
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return min(_SMS[index] * _STRIPS_PER_SM, triton.cdiv(N, BLOCK_R))
+    wanted = sm_count(device) * _STRIPS_PER_SM if device.type == "cuda" else 4  # the interpreter: a few strips
+    return min(wanted, triton.cdiv(N, BLOCK_R))
 
 
 def norm_rope_fwd(x_BSD: torch.Tensor, w_D: torch.Tensor, eps: float, cos_SDh: torch.Tensor,
