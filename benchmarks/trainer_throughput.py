@@ -163,10 +163,6 @@ def main() -> None:
                  ("olmoe-16L-fp8-4x-8mb", fp8, 4, 8, 4096, True, ()),
                  ("olmoe-16L-fp8-4x-16mb", fp8, 4, 16, 4096, True, ()),
                  # QK-norm and RoPE as one kernel each for q and k, and as the compiled modules
-                 ("olmoe-16L-fp8-4x-8mb-qk-fused", qk(fp8, True), 4, 8, 4096, True, ()),
-                 ("olmoe-16L-fp8-4x-8mb-qk-modules", qk(fp8, False), 4, 8, 4096, True, ()),
-                 ("olmoe-16L-fp8-8mb-qk-fused", qk(fp8, True), 2, 8, 4096, True, ()),
-                 ("olmoe-16L-fp8-8mb-qk-modules", qk(fp8, False), 2, 8, 4096, True, ()),
                  ("olmoe-4L-fp8-16x-4mb-qk-fused", qk(l4_fp8, True), 16, 4, 4096, True, ()),
                  ("olmoe-4L-fp8-16x-4mb-qk-modules", qk(l4_fp8, False), 16, 4, 4096, True, ()),
                  # the router's GEMMs in fp32 on the CUDA cores
