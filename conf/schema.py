@@ -48,9 +48,8 @@ class ModelConfig:
     # (kernels/cross_entropy.py), as Megatron-LM's cross-entropy loss fusion; false: torch's passes over an fp32 copy
     cross_entropy_fusion: bool = True
     # QK-norm and RoPE of q and of k as one Triton kernel each, forward and backward, on CUDA (kernels/norm_rope.py);
-    # false: the norm and the rotation as separate modules (which torch.compile fuses, in two backward passes). Off
-    # by default until its speed is measured on a GPU (benchmarks/run_norm_rope_gpu.sh)
-    qk_norm_rope_fusion: bool = False
+    # false: the norm and the rotation as separate modules (which torch.compile fuses, in two backward passes)
+    qk_norm_rope_fusion: bool = True
     moe: MoEConfig = field(default_factory=MoEConfig)
     # "hf:/path" (safetensors + config.json), "ckpt:/path/model-step-N", or None for random init
     init_from: Optional[str] = None

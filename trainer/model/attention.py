@@ -2,7 +2,7 @@
 
 Shapes: B batch, S sequence, D model dim, H heads, Dh head dim. Attention runs through
 `scaled_dot_product_attention`, which picks flash / memory-efficient kernels on GPU and the math path on CPU.
-On CUDA with `model.qk_norm_rope_fusion` the norm and the rotation of q (and of k) are one Triton kernel
+On CUDA with `model.qk_norm_rope_fusion` (the default) the norm and the rotation of q (and of k) are one Triton kernel
 (kernels/norm_rope.py), whose backward is one pass where the compiled modules take two; the norms' weights stay the
 `q_norm` / `k_norm` modules' parameters, so checkpoints and initialisation do not depend on the setting.
 """
