@@ -132,8 +132,8 @@ def stage_timings(params, x_TD, dims: Dims, device, log):
     return res
 
 
-def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 14) -> dict:
-    """CUDA time per kernel name over `iters` calls of step() (torch.profiler), largest first, per call."""
+def profiled(step, iters: int):
+    """torch.profiler's record of `iters` calls of step() queued back to back, after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -142,6 +142,12 @@ def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 1
         for _ in range(iters):
             step()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_breakdown(step, log, iters: int = 5, label: str = "FP8", top: int = 14) -> dict:
+    """CUDA time per kernel name over `iters` calls of step() (torch.profiler), largest first, per call."""
+    prof = profiled(step, iters)
     rows = {}
     for ev in prof.key_averages():
         us = getattr(ev, "self_device_time_total", 0) or getattr(ev, "self_cuda_time_total", 0)

@@ -24,6 +24,7 @@ import time
 
 import torch
 from cross_entropy import bench, rel_err
+from moe_layer_fp8 import profiled
 
 from moe_launch.conf import presets
 from moe_launch.conf.schema import ModelConfig
@@ -49,14 +50,7 @@ def kernel_ms(fn, device, calls: int = 20) -> float | None:
     """GPU time per call: the sum of the kernels' durations the profiler records (None on the CPU)."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+    return sum(e.self_device_time_total for e in profiled(fn, calls).key_averages()) / calls / 1e3
 
 
 def norm_rope_rows(cfg: ModelConfig, B: int, S: int, device, dtype, compile_: bool) -> list[dict]:
